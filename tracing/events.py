@@ -1,0 +1,181 @@
+"""The records Tracehound keeps: what ranks did, how far they got, how they ended, what was done.
+
+Records are frozen dataclasses built with keyword arguments only. Times are integer microseconds
+since the Unix epoch (UTC), so they survive every store and wire format unchanged. This module
+validates nothing: `tracing.wire` turns untrusted payloads into these records and says what was
+wrong with the ones it rejects.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
+
+SCHEMA_VERSION = 1
+"""Bumped whenever a record or a table changes shape."""
+
+
+def now_us() -> int:
+    """The wall clock in microseconds, the unit of every timestamp here."""
+    return time.time_ns() // 1000
+
+
+class CollectiveState(enum.StrEnum):
+    """How a collective ended, as seen by one rank."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveEvent:
+    """One rank's part in one collective or point-to-point operation."""
+
+    job: JobId
+    attempt: int
+    node: NodeId
+    rank: Rank
+    group: GroupId
+    seq: int
+    """Per-group sequence id, 1 for the first operation the group ran; the same on every member."""
+    op: str
+    """`all_reduce`, `broadcast`, `barrier`, `send`, `recv`, ... (torch's function name)."""
+    nbytes: int
+    dtype: str
+    peer: int
+    """Global rank of the other side of a send/recv; -1 for collectives."""
+    state: CollectiveState
+    enqueue_us: int
+    complete_us: int
+    """When the operation finished (or failed) on this rank; 0 if it never did."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupProgress:
+    """How far one rank got in one process group, at the time of a heartbeat."""
+
+    group: GroupId
+    last_enqueued: int
+    """Highest sequence id this rank has entered in the group (0: none yet)."""
+    last_completed: int
+    """Highest sequence id this rank has seen complete in the group."""
+    pending_op: str
+    """Op of `last_enqueued` while it has not completed, "" otherwise."""
+    last_enqueue_us: int
+    last_complete_us: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """A rank's periodic statement of progress; it keeps coming while the rank's main thread waits."""
+
+    job: JobId
+    attempt: int
+    node: NodeId
+    rank: Rank
+    time_us: int
+    pid: int
+    step: int
+    """Training step the rank has reached (optimizer steps plus the step it resumed from)."""
+    step_us: int
+    """When `step` was reached; 0 before the first step."""
+    start_step: int
+    """The step this process resumed from (0 for a fresh start)."""
+    first_step_us: int
+    """When this process finished its first step; 0 before that."""
+    dropped: int
+    """Events the recorder in this process has dropped so far (full buffer, encoding failure)."""
+    groups: tuple[GroupProgress, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessGroupInfo:
+    """A process group as one rank created it: its id and the global ranks in it."""
+
+    job: JobId
+    attempt: int
+    rank: Rank
+    group: GroupId
+    ranks: tuple[int, ...]
+    backend: str
+    time_us: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExit:
+    """A rank's process ended. `exit_code` < 0 means it was killed by signal -exit_code."""
+
+    job: JobId
+    attempt: int
+    node: NodeId
+    rank: Rank
+    pid: int
+    exit_code: int
+    time_us: int
+
+
+class IncidentKind(enum.StrEnum):
+    """What went wrong. Later analyses add kinds; stored values never change meaning."""
+
+    HANG = "hang"
+    CRASH = "crash"
+
+
+class ActionKind(enum.StrEnum):
+    """What the controller did about an incident."""
+
+    ISOLATE_NODE = "isolate_node"
+    STOP_JOB = "stop_job"
+    RESTART = "restart"
+    GIVE_UP = "give_up"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Action:
+    """One step the controller took (or failed to take) for an incident."""
+
+    job: JobId
+    incident_id: str
+    kind: ActionKind
+    target: str
+    """What it acted on: a node id, an attempt number."""
+    time_us: int
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Incident:
+    """A diagnosed anomaly of one attempt of a job, with the verdict that explains it."""
+
+    job: JobId
+    incident_id: str
+    attempt: int
+    detected_at_us: int
+    kind: str
+    """An `IncidentKind` value (kept as text so that newer kinds read back from old code)."""
+    culprit_ranks: tuple[int, ...]
+    culprit_nodes: tuple[str, ...]
+    confidence: float
+    summary: str
+    verdict_json: str
+    """The full verdict, evidence included, as the analysis serialized it."""
+    schema_version: int = SCHEMA_VERSION
+    actions: tuple[Action, ...] = field(default=())
+    """Filled in when read back from a store; ignored when recorded."""
+
+
+Record = CollectiveEvent | Heartbeat | ProcessGroupInfo | RankExit
+"""What a batch carries from the ranks to the store."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Records shipped together. `batch_id` is unique per batch and stable across retries, so a
+    store can tell a retried batch it already holds from a new one."""
+
+    batch_id: str
+    records: tuple[Record, ...]
