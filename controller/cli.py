@@ -1,0 +1,283 @@
+"""The `tracehound` command.
+
+    tracehound demo       inject a fault into a real job and watch Tracehound recover it
+    tracehound run        launch and supervise a torchrun-style job
+    tracehound incidents  list stored incidents and the actions taken
+    tracehound diagnose   explain a job's state from its stored traces
+
+Exit status: 0 on success, 1 when the job (or the demo) failed, 2 for bad usage or a store that
+cannot be used, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tracehound.tracing import logs
+from tracehound.tracing.errors import StoreError
+from tracehound.tracing.ids import JobId
+
+EPILOG_RUN = """\
+Every rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), so a
+script that runs under torchrun runs here unchanged. The recorder is installed into each rank
+automatically. Scripts that call tracehound.agent.checkpoint.save/load resume from the latest
+complete checkpoint after a restart.
+
+example:
+  tracehound run --nnodes 2 --nproc-per-node 2 --spare-nodes 1 --job-id exp7 train.py --lr 0.1
+"""
+
+EPILOG_DEMO = """\
+examples:
+  tracehound demo                        # SIGSTOP rank 3 mid-training, recover, report
+  tracehound demo --fault crash --rank 1 # SIGKILL rank 1 instead
+  tracehound demo --json                 # one JSON object for scripts
+"""
+
+
+def _store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store", metavar="URL",
+        help="trace store: clickhouse://user:pass@host:9000/db or chdb:///dir "
+             "(default: $TRACEHOUND_STORE, else chdb://./.tracehound/store)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tracehound",
+        description="Find the rank and node behind a hung or crashed distributed training job, "
+                    "isolate it and restart from checkpoint.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="inject a fault into a real 2x2-rank DDP job and recover it",
+        description="Run a real DDP job (2 nodes x 2 gloo ranks + 1 spare node), inject a fault "
+                    "from outside, and report what Tracehound found and how fast it recovered.",
+        epilog=EPILOG_DEMO, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--fault", choices=["hang", "crash"], default="hang",
+                      help="hang = SIGSTOP the rank, crash = SIGKILL it (default: hang)")
+    demo.add_argument("--rank", type=int, default=3, help="rank to fault, 0-3 (default: 3)")
+    demo.add_argument("--fault-step", type=int, default=60,
+                      help="training step at which to inject (default: 60)")
+    demo.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
+    demo.add_argument("--job-id", help="job id (default: demo-<fault>-<time>)")
+    demo.add_argument("--workdir", type=Path, help="checkpoints, spools and logs (default: temp)")
+    demo.add_argument("--hang-after", type=float, default=5.0, metavar="S",
+                      help="a rank waiting this long in one collective is a hang (default: 5)")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    _store_arg(demo)
+
+    run = sub.add_parser(
+        "run", help="launch and supervise a job on this machine",
+        description="Launch a torchrun-compatible job as N nodes of M local ranks, watch it, and "
+                    "on a hang or crash isolate the culprit node and restart from checkpoint.",
+        epilog=EPILOG_RUN, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("--nnodes", type=int, required=True, help="nodes the job runs on")
+    run.add_argument("--nproc-per-node", type=int, required=True, help="ranks per node")
+    run.add_argument("--spare-nodes", type=int, default=0,
+                     help="extra nodes that replace isolated ones (default: 0)")
+    run.add_argument("--job-id", default="job", help="job id every record is tagged with")
+    run.add_argument("--workdir", type=Path, default=Path(".tracehound/runs"),
+                     help="checkpoints, spools and logs go under WORKDIR/JOB "
+                          "(default: .tracehound/runs)")
+    run.add_argument("--max-restarts", type=int, default=3, help="default: 3")
+    run.add_argument("--hang-after", type=float, default=5.0, metavar="S",
+                     help="a rank waiting this long in one collective is a hang (default: 5)")
+    run.add_argument("--timeout", type=float, default=None, metavar="S",
+                     help="give up after S seconds (default: never)")
+    run.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    _store_arg(run)
+    run.add_argument("script", help="training script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    inc = sub.add_parser("incidents", help="list stored incidents and their actions")
+    inc.add_argument("--job", help="only this job")
+    inc.add_argument("--json", action="store_true", help="print a JSON list")
+    _store_arg(inc)
+
+    diag = sub.add_parser(
+        "diagnose", help="explain a job's state from its stored traces",
+        description="Run the analysis over what the store holds for a job and print the verdict "
+                    "with its evidence. By default the latest attempt that shows a fault.",
+    )
+    diag.add_argument("--job", required=True, help="job id")
+    diag.add_argument("--attempt", type=int, help="attempt to diagnose (default: see above)")
+    diag.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    _store_arg(diag)
+    return parser
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=None, sort_keys=False))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tracehound.analysis.detect import DetectionSettings
+    from tracehound.controller.demo import demo_ok, format_report, run_demo
+    from tracehound.controller.supervisor import SupervisorSettings
+
+    settings = SupervisorSettings(
+        poll_s=0.25, timeout_s=600, detection=DetectionSettings(hang_after_s=args.hang_after)
+    )
+    if not args.json:
+        print(f"tracehound demo: 2 nodes x 2 ranks + 1 spare; {args.fault} of rank {args.rank} "
+              f"at step {args.fault_step} of {args.steps} ...", file=sys.stderr)
+    report = run_demo(
+        fault=args.fault, rank=args.rank, fault_step=args.fault_step, steps=args.steps,
+        store_url=args.store, workdir=args.workdir, settings=settings, job=args.job_id,
+    )
+    if args.json:
+        _print_json(report)
+    else:
+        print(format_report(report))
+    return 0 if demo_ok(report) else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tracehound.analysis.detect import DetectionSettings
+    from tracehound.controller.local import LocalOrchestrator
+    from tracehound.controller.policy import PolicySettings
+    from tracehound.controller.session import store_session
+    from tracehound.controller.supervisor import JobSpec, Supervisor, SupervisorSettings
+
+    script = Path(args.script)
+    if not script.is_file():
+        print(f"tracehound run: training script {args.script!r} does not exist", file=sys.stderr)
+        return 2
+    for name in ("nnodes", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            print(f"tracehound run: --{name.replace('_', '-')} must be at least 1",
+                  file=sys.stderr)
+            return 2
+    spec = JobSpec(
+        job=JobId(args.job_id), command=(sys.executable, str(script), *args.args),
+        nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, spare_nodes=args.spare_nodes,
+    )
+    settings = SupervisorSettings(
+        timeout_s=args.timeout,
+        detection=DetectionSettings(hang_after_s=args.hang_after),
+        policy=PolicySettings(max_restarts=args.max_restarts),
+    )
+    workdir = args.workdir / args.job_id
+    with store_session(args.store) as session:
+        orch = LocalOrchestrator(workdir=workdir, sink=session.sink)
+        result = Supervisor(spec=spec, store=session.store, orchestrator=orch,
+                            settings=settings).run()
+    if args.json:
+        _print_json({
+            "job": result.job, "completed": result.completed, "attempts": result.attempts,
+            "reason": result.reason, "incidents": [_incident_json(i) for i in result.incidents],
+            "workdir": str(workdir),
+        })
+    else:
+        state = "finished" if result.completed else "FAILED"
+        print(f"job {result.job} {state} after {result.attempts} attempt(s): {result.reason}")
+        for incident in result.incidents:
+            print(_incident_line(incident))
+        print(f"logs and checkpoints: {workdir}")
+    return 0 if result.completed else 1
+
+
+def _incident_json(incident: Any) -> dict[str, Any]:
+    return {
+        "job": incident.job,
+        "incident_id": incident.incident_id,
+        "attempt": incident.attempt,
+        "kind": incident.kind,
+        "culprit_ranks": list(incident.culprit_ranks),
+        "culprit_nodes": list(incident.culprit_nodes),
+        "confidence": incident.confidence,
+        "summary": incident.summary,
+        "detected_at": incident.detected_at_us / 1e6,
+        "actions": [
+            {"kind": a.kind.value, "target": a.target, "ok": a.ok, "detail": a.detail,
+             "at": a.time_us / 1e6}
+            for a in incident.actions
+        ],
+        "verdict": json.loads(incident.verdict_json) if incident.verdict_json else None,
+    }
+
+
+def _incident_line(incident: Any) -> str:
+    import datetime as dt
+
+    when = dt.datetime.fromtimestamp(incident.detected_at_us / 1e6, tz=dt.UTC)
+    acts = ", ".join(f"{a.kind.value} {a.target}" for a in incident.actions) or "none"
+    return (
+        f"{when:%Y-%m-%d %H:%M:%S} {incident.job} attempt {incident.attempt} {incident.kind}: "
+        f"ranks {list(incident.culprit_ranks)} on {list(incident.culprit_nodes)} "
+        f"(confidence {incident.confidence:.2f})\n    {incident.summary}\n    actions: {acts}"
+    )
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    from tracehound.controller.session import resolve_store_url
+    from tracehound.tracing.store import open_store
+
+    store = open_store(resolve_store_url(args.store))
+    try:
+        incidents = store.incidents(JobId(args.job) if args.job else None)
+    finally:
+        store.close()
+    if args.json:
+        _print_json([_incident_json(i) for i in incidents])
+    elif not incidents:
+        print("no incidents" + (f" for job {args.job}" if args.job else ""))
+    else:
+        for incident in incidents:
+            print(_incident_line(incident))
+    return 0
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from tracehound.controller.explain import diagnose_stored, format_verdict
+    from tracehound.controller.session import resolve_store_url
+    from tracehound.tracing.store import open_store
+
+    store = open_store(resolve_store_url(args.store))
+    try:
+        outcome = diagnose_stored(store, JobId(args.job), args.attempt)
+    finally:
+        store.close()
+    if outcome is None:
+        print(f"tracehound diagnose: no traces of job {args.job!r} in this store",
+              file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(outcome)
+    else:
+        print(format_verdict(outcome))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logs.configure(args.log_level)
+    handlers = {"demo": cmd_demo, "run": cmd_run, "incidents": cmd_incidents,
+                "diagnose": cmd_diagnose}
+    try:
+        return handlers[args.command](args)
+    except StoreError as exc:
+        print(f"tracehound {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"tracehound {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tracehound {args.command}: interrupted; all ranks were stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""`tracehound diagnose`: the analysis run over a job's stored traces, after the fact.
+
+The snapshot is taken "as of the end of the data" (the newest heartbeat or exit of the attempt),
+so a stored job gives the same verdict whenever it is diagnosed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tracehound.analysis.detect import DetectionSettings, diagnose
+from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
+from tracehound.analysis.verdict import Verdict
+from tracehound.tracing.ids import JobId
+from tracehound.tracing.store import TraceStore
+
+
+def _as_of_end(store: TraceStore, job: JobId, attempt: int) -> JobSnapshot:
+    probe = load_snapshot(store, job=job, attempt=attempt, now_us=0)
+    times = [hb.time_us for hb in probe.heartbeats] + [e.time_us for e in probe.exits]
+    members = {r for g in probe.groups for r in g.ranks}
+    nodes: dict[int, str] = {int(hb.rank): str(hb.node) for hb in probe.heartbeats}
+    nodes.update({int(e.rank): str(e.node) for e in probe.exits})
+    expected = {r: nodes.get(r, "unknown") for r in members | set(nodes)}
+    return JobSnapshot(
+        job=job, attempt=attempt, now_us=max(times, default=0), heartbeats=probe.heartbeats,
+        exits=probe.exits, groups=probe.groups, expected_ranks=expected,
+    )
+
+
+def _verdict_json(verdict: Verdict) -> dict[str, Any]:
+    return verdict.to_dict()
+
+
+def diagnose_stored(
+    store: TraceStore,
+    job: JobId,
+    attempt: int | None = None,
+    settings: DetectionSettings | None = None,
+) -> dict[str, Any] | None:
+    """The verdict for one attempt (default: the latest attempt that shows a fault, else the
+    latest attempt) as a JSON-ready dict; None when the store has nothing of the job."""
+    attempts = store.attempts(job)
+    if not attempts:
+        return None
+    candidates = [attempt] if attempt is not None else sorted(attempts, reverse=True)
+    for a in candidates:
+        snap = _as_of_end(store, job, a)
+        verdict = diagnose(snap, settings)
+        if verdict is not None:
+            return {**_verdict_json(verdict), "ranks_seen": len(snap.heartbeats)}
+    a = candidates[0]
+    snap = _as_of_end(store, job, a)
+    return {
+        "job": job, "attempt": a, "kind": "healthy", "culprit_ranks": [], "culprit_nodes": [],
+        "confidence": 1.0, "basis": "", "evidence": [], "ranks_seen": len(snap.heartbeats),
+        "summary": f"no fault found in attempt {a} ({len(snap.heartbeats)} ranks reported)",
+        "observed_at_us": snap.now_us,
+    }
+
+
+def format_verdict(outcome: dict[str, Any]) -> str:
+    lines = [
+        f"job {outcome['job']} attempt {outcome['attempt']}: {outcome['kind'].upper()}",
+        f"  {outcome['summary']}",
+    ]
+    if outcome["culprit_ranks"]:
+        lines.append(
+            f"  culprits: ranks {outcome['culprit_ranks']} on nodes {outcome['culprit_nodes']} "
+            f"(confidence {outcome['confidence']:.2f}, basis {outcome['basis']})"
+        )
+    if outcome["evidence"]:
+        lines.append("  evidence:")
+        lines += [f"    - {e['detail']}" for e in outcome["evidence"]]
+    return "\n".join(lines)

@@ -1,0 +1,239 @@
+"""The supervision loop: launch an attempt, watch it through the store, act on verdicts.
+
+Every `poll_s` the supervisor records new rank exits in the store, reads a snapshot of the
+attempt back from the store and asks the analysis for a verdict. A verdict becomes an incident;
+the policy's plan (stop, isolate, restart or give up) is carried out through the orchestrator
+and each action is recorded with its outcome. Training scripts resume from their latest complete
+checkpoint on their own (see `tracehound.agent.checkpoint`).
+
+Time and sleep are injected, so the loop can be driven step by step in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tracehound.analysis.detect import DetectionSettings, diagnose
+from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
+from tracehound.analysis.verdict import Verdict
+from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes, Orchestrator
+from tracehound.controller.policy import PlannedAction, PolicySettings, plan_recovery
+from tracehound.tracing.errors import TemporaryStoreError
+from tracehound.tracing.events import Action, ActionKind, Batch, Incident, RankExit, now_us
+from tracehound.tracing.ids import JobId, NodeId
+from tracehound.tracing.logs import JobLogger
+from tracehound.tracing.store import TraceStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSpec:
+    """What to run and on how much."""
+
+    job: JobId
+    command: tuple[str, ...]
+    nnodes: int
+    nproc_per_node: int
+    spare_nodes: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorSettings:
+    poll_s: float = 0.5
+    """How often the supervisor reads the store and runs the analysis."""
+    detection: DetectionSettings = field(default_factory=DetectionSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    timeout_s: float | None = None
+    """Give up on the whole run after this long (None: never)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResult:
+    job: JobId
+    completed: bool
+    attempts: int
+    """How many attempts were launched."""
+    incidents: tuple[Incident, ...]
+    reason: str
+    """Why the run ended, in words."""
+
+
+@dataclass(frozen=True, slots=True)
+class PollView:
+    """What an observer sees at each poll (the demo injects faults from here)."""
+
+    attempt: int
+    snapshot: JobSnapshot
+    orchestrator: Orchestrator
+
+
+class Supervisor:
+    def __init__(
+        self,
+        *,
+        spec: JobSpec,
+        store: TraceStore,
+        orchestrator: Orchestrator,
+        settings: SupervisorSettings | None = None,
+        clock: Callable[[], int] = now_us,
+        sleep: Callable[[float], None] = time.sleep,
+        observer: Callable[[PollView], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.store = store
+        self.orch = orchestrator
+        self.settings = settings or SupervisorSettings()
+        self.clock = clock
+        self.sleep = sleep
+        self.observer = observer
+        self.pool = NodePool(
+            [NodeId(f"node-{i}") for i in range(spec.nnodes + spec.spare_nodes)]
+        )
+        self.log = JobLogger(log, job=spec.job)
+        self._incidents: list[Incident] = []
+        self._ids = itertools.count(1)
+
+    def run(self) -> RunResult:
+        started = self.clock()
+        attempt = 0
+        try:
+            while True:
+                try:
+                    nodes = self.pool.assign(self.spec.nnodes)
+                except NotEnoughNodes as exc:
+                    return self._result(attempt, completed=False, reason=str(exc))
+                plan = AttemptPlan(
+                    job=self.spec.job, attempt=attempt, nodes=nodes,
+                    nproc_per_node=self.spec.nproc_per_node, command=self.spec.command,
+                    env=self.spec.env,
+                )
+                self.orch.launch(plan)
+                outcome = self._supervise(plan, started)
+                if outcome is None:
+                    self.orch.finish()
+                    self.log.info("attempt %d finished: every rank exited cleanly", attempt)
+                    return self._result(attempt + 1, completed=True, reason="training finished")
+                if isinstance(outcome, str):
+                    self.orch.stop()
+                    return self._result(attempt + 1, completed=False, reason=outcome)
+                if not self._recover(outcome):
+                    return self._result(attempt + 1, completed=False,
+                                        reason=f"gave up after {outcome.kind.value}: "
+                                               f"{outcome.summary}")
+                attempt += 1
+        finally:
+            self.orch.close()
+
+    def _result(self, attempts: int, *, completed: bool, reason: str) -> RunResult:
+        return RunResult(job=self.spec.job, completed=completed, attempts=attempts,
+                         incidents=tuple(self._incidents), reason=reason)
+
+    # -- one attempt ---------------------------------------------------------------------------
+    def _supervise(self, plan: AttemptPlan, started_us: int) -> Verdict | str | None:
+        """None when the attempt finished cleanly, a verdict when it failed, or a reason to stop."""
+        clean: set[int] = set()
+        rank_nodes = plan.rank_nodes()
+        timeout_us = (
+            int(self.settings.timeout_s * 1e6) if self.settings.timeout_s is not None else None
+        )
+        while True:
+            self.sleep(self.settings.poll_s)
+            for exit_ in self.orch.poll_exits():
+                self._record_exit(exit_)
+                if exit_.exit_code == 0:
+                    clean.add(exit_.rank)
+            if len(clean) == plan.world_size:
+                return None
+            now = self.clock()
+            if timeout_us is not None and now - started_us > timeout_us:
+                return f"timed out after {self.settings.timeout_s:.0f} s"
+            try:
+                snap = load_snapshot(self.store, job=plan.job, attempt=plan.attempt,
+                                     now_us=now, expected_ranks=rank_nodes)
+            except TemporaryStoreError as exc:
+                self.log.warning("store unavailable, analysis paused: %s", exc)
+                continue
+            if self.observer is not None:
+                self.observer(PollView(plan.attempt, snap, self.orch))
+            verdict = diagnose(snap, self.settings.detection)
+            if verdict is not None:
+                return verdict
+
+    def _record_exit(self, exit_: RankExit) -> None:
+        level = logging.INFO if exit_.exit_code == 0 else logging.WARNING
+        JobLogger(log, job=exit_.job, node=exit_.node, rank=exit_.rank).log(
+            level, "attempt %d: exited with code %d", exit_.attempt, exit_.exit_code
+        )
+        batch = Batch(batch_id=f"exit/{exit_.job}/{exit_.attempt}/{exit_.rank}", records=(exit_,))
+        for delay in (0.2, 0.5, 1.0, 2.0, 4.0):
+            try:
+                self.store.insert(batch, maybe_duplicate=True)
+                return
+            except TemporaryStoreError as exc:
+                self.log.warning("store unavailable, retrying exit record in %.1f s: %s",
+                                 delay, exc)
+                self.sleep(delay)
+        self.log.error("could not record the exit of rank %d: store unavailable", exit_.rank)
+
+    # -- acting on a verdict -------------------------------------------------------------------
+    def _recover(self, verdict: Verdict) -> bool:
+        incident_id = f"{verdict.job}/{verdict.attempt}/{next(self._ids)}"
+        detected = self.clock()
+        incident = Incident(
+            job=verdict.job, incident_id=incident_id, attempt=verdict.attempt,
+            detected_at_us=detected, kind=verdict.kind.value,
+            culprit_ranks=verdict.culprit_ranks, culprit_nodes=verdict.culprit_nodes,
+            confidence=verdict.confidence, summary=verdict.summary,
+            verdict_json=verdict.to_json(),
+        )
+        self.log.warning("incident %s: %s %s (confidence %.2f)", incident_id, verdict.kind.value,
+                         verdict.summary, verdict.confidence)
+        self._store_retrying(lambda: self.store.record_incident(incident))
+        plan = plan_recovery(
+            verdict, restarts_done=verdict.attempt,
+            healthy_spares=len(self.pool.healthy_spares()), settings=self.settings.policy,
+        )
+        actions: list[Action] = []
+        gave_up = False
+        for step in plan:
+            ok, detail = self._act(step)
+            gave_up |= step.kind is ActionKind.GIVE_UP
+            action = Action(job=verdict.job, incident_id=incident_id, kind=step.kind,
+                            target=step.target, time_us=self.clock(), ok=ok,
+                            detail=detail or step.reason)
+            actions.append(action)
+            self._store_retrying(functools.partial(self.store.record_action, action))
+        self._incidents.append(dataclasses.replace(incident, actions=tuple(actions)))
+        return not gave_up
+
+    def _act(self, step: PlannedAction) -> tuple[bool, str]:
+        self.log.info("action %s %s: %s", step.kind.value, step.target, step.reason)
+        if step.kind is ActionKind.STOP_JOB:
+            self.orch.stop()
+            return True, f"stopped; {step.reason}"
+        if step.kind is ActionKind.ISOLATE_NODE:
+            node = NodeId(step.target)
+            self.pool.isolate(node, step.reason)
+            self.orch.isolate(node, reason=step.reason)
+            return True, f"isolated {node}: {step.reason}"
+        if step.kind is ActionKind.RESTART:
+            return True, step.reason
+        return True, step.reason
+
+    def _store_retrying(self, write: Callable[[], None]) -> None:
+        for delay in (0.2, 0.5, 1.0, 2.0, 4.0, 8.0):
+            try:
+                write()
+                return
+            except TemporaryStoreError as exc:
+                self.log.warning("store unavailable, retrying in %.1f s: %s", delay, exc)
+                self.sleep(delay)
+        self.log.error("gave up writing to the store %s", self.store.url)

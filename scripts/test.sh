@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The whole test suite: static checks, then pytest against a real ClickHouse server and chdb.
+# Installs the ClickHouse server (Debian package) when missing and starts it on a free loopback
+# port unless TRACEHOUND_TEST_CLICKHOUSE_URL names one already; stops it at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=$VENV/bin/python
+
+echo "== static checks"
+# mypy sees the packages under their installed names through a tree of links.
+mkdir -p .typecheck/tracehound
+for p in agent tracing analysis controller ui; do ln -sfn "../../$p" ".typecheck/tracehound/$p"; done
+"$VENV/bin/ruff" check .
+"$VENV/bin/mypy" -p tracehound.tracing -p tracehound.agent -p tracehound.analysis \
+    -p tracehound.controller -p tracehound.ui
+"$VENV/bin/lint-imports"
+[[ "${1:-}" == "--lint-only" ]] && exit 0
+
+if ! command -v clickhouse-server >/dev/null 2>&1 && [[ ! -x /usr/bin/clickhouse-server ]]; then
+    echo "== installing clickhouse-server (Debian package)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq clickhouse-server clickhouse-client >/dev/null
+fi
+
+server_pid=""
+workdir=$(mktemp -d /tmp/tracehound-test-XXXXXX)
+cleanup() {
+    if [[ -n "$server_pid" ]]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+    rm -rf "$workdir"
+}
+trap cleanup EXIT INT TERM
+
+if [[ -z "${TRACEHOUND_TEST_CLICKHOUSE_URL:-}" ]]; then
+    echo "== starting a ClickHouse server on loopback"
+    "$PY" tests/clickhouse_harness.py start --dir "$workdir/clickhouse" > "$workdir/url" &
+    server_pid=$!
+    for _ in $(seq 1 300); do
+        [[ -s "$workdir/url" ]] && break
+        kill -0 "$server_pid" 2>/dev/null || { echo "ClickHouse server failed to start"; exit 1; }
+        sleep 0.1
+    done
+    TRACEHOUND_TEST_CLICKHOUSE_URL=$(head -n1 "$workdir/url")
+    export TRACEHOUND_TEST_CLICKHOUSE_URL
+    echo "   $TRACEHOUND_TEST_CLICKHOUSE_URL"
+fi
+
+echo "== pytest"
+# shellcheck disable=SC2086
+"$PY" -m pytest -q ${PYTEST_ARGS:-}

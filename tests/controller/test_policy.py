@@ -1,0 +1,66 @@
+"""Recovery planning and node assignment, with exact expectations."""
+
+from __future__ import annotations
+
+import pytest
+
+from tracehound.analysis.verdict import Basis, Verdict
+from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes
+from tracehound.controller.policy import PolicySettings, plan_recovery
+from tracehound.tracing.events import ActionKind, IncidentKind
+from tracehound.tracing.ids import JobId, NodeId
+
+
+def verdict(*, basis: Basis = Basis.CONTROL_DEPENDENCY, confidence: float = 0.95,
+            nodes: tuple[str, ...] = ("node-1",), attempt: int = 0) -> Verdict:
+    return Verdict(
+        job=JobId("j"), attempt=attempt, kind=IncidentKind.HANG, culprit_ranks=(3,),
+        culprit_nodes=nodes, confidence=confidence, basis=basis, summary="rank 3 hangs",
+        evidence=(), observed_at_us=0,
+    )
+
+
+def kinds(plan: tuple) -> list[tuple[str, str]]:  # type: ignore[type-arg]
+    return [(a.kind.value, a.target) for a in plan]
+
+
+def test_localized_fault_isolates_the_node_then_restarts() -> None:
+    plan = plan_recovery(verdict(), restarts_done=0, healthy_spares=1, settings=PolicySettings())
+    assert kinds(plan) == [("stop_job", "attempt 0"), ("isolate_node", "node-1"),
+                           ("restart", "attempt 1")]
+
+
+def test_unlocalized_or_unsure_verdict_restarts_without_evicting() -> None:
+    for v in (verdict(basis=Basis.UNLOCALIZED), verdict(confidence=0.4)):
+        plan = plan_recovery(v, restarts_done=0, healthy_spares=1, settings=PolicySettings())
+        assert kinds(plan) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+
+
+def test_gives_up_when_restarts_or_spares_run_out() -> None:
+    plan = plan_recovery(verdict(attempt=3), restarts_done=3, healthy_spares=1,
+                         settings=PolicySettings(max_restarts=3))
+    assert [a.kind for a in plan] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
+    plan = plan_recovery(verdict(nodes=("node-0", "node-1")), restarts_done=0,
+                         healthy_spares=1, settings=PolicySettings())
+    assert [a.kind for a in plan] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
+    assert "only 1 spare" in plan[1].reason
+
+
+def test_a_spare_takes_the_isolated_nodes_place_and_others_keep_theirs() -> None:
+    pool = NodePool([NodeId(f"node-{i}") for i in range(4)])
+    assert pool.assign(2) == ("node-0", "node-1")
+    assert pool.healthy_spares() == ["node-2", "node-3"]
+    pool.isolate(NodeId("node-0"), "hang")
+    assert pool.assign(2) == ("node-2", "node-1")
+    pool.isolate(NodeId("node-1"), "crash")
+    assert pool.assign(2) == ("node-2", "node-3")
+    pool.isolate(NodeId("node-3"), "crash")
+    with pytest.raises(NotEnoughNodes, match="need 2 healthy nodes, have 1"):
+        pool.assign(2)
+
+
+def test_attempt_plan_maps_ranks_to_nodes_like_torchrun() -> None:
+    plan = AttemptPlan(job=JobId("j"), attempt=0, nodes=(NodeId("a"), NodeId("b")),
+                       nproc_per_node=2, command=("python", "x.py"))
+    assert plan.world_size == 4
+    assert plan.rank_nodes() == {0: "a", 1: "a", 2: "b", 3: "b"}
