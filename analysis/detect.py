@@ -63,7 +63,9 @@ def detect_crash(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | No
     culprits = [first]
     # Exits within the clock's resolution of each other cannot be ordered: name them all.
     culprits += [e for e in failures[1:] if e.time_us - first.time_us <= 1_000]
-    gap_us = failures[len(culprits)].time_us - first.time_us if len(failures) > len(culprits) else None
+    gap_us = (
+        failures[len(culprits)].time_us - first.time_us if len(failures) > len(culprits) else None
+    )
     if len(culprits) > 1:
         confidence = 0.6
     elif gap_us is None or gap_us >= 20_000 or first.exit_code < 0:

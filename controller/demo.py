@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tracehound.controller.local import LocalOrchestrator
-from tracehound.controller.session import store_session
+from tracehound.controller.session import StoreSession, store_session
 from tracehound.controller.supervisor import (
     JobSpec,
     PollView,
@@ -100,17 +100,27 @@ def _measure(
 
 def run_demo(
     *,
+    store_url: str | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Run the demo in a store session of its own and return its report (the `--json` object)."""
+    with store_session(store_url) as session:
+        return run_demo_in_session(session, **kwargs)
+
+
+def run_demo_in_session(
+    session: StoreSession,
+    *,
     fault: str = "hang",
     rank: int = 3,
     fault_step: int = 60,
     steps: int = 200,
     checkpoint_every: int = 25,
-    store_url: str | None = None,
     workdir: Path | None = None,
     settings: SupervisorSettings | None = None,
     job: str | None = None,
 ) -> dict[str, Any]:
-    """Run the demo and return its report (the `--json` object)."""
+    """Run the demo against an open store session (benchmarks run many demos in one)."""
     if fault not in FAULT_SIGNALS:
         raise ValueError(f"--fault {fault!r}: expected one of {', '.join(FAULT_SIGNALS)}")
     nnodes, nproc, spares = 2, 2, 1
@@ -129,32 +139,31 @@ def run_demo(
     injector = FaultInjector(fault=fault, rank=rank, at_step=fault_step)
     settings = settings or SupervisorSettings(poll_s=0.25, timeout_s=600)
     started = time.monotonic()
-    with store_session(store_url) as session:
-        orch = LocalOrchestrator(workdir=workdir, sink=session.sink)
-        supervisor = Supervisor(spec=spec, store=session.store, orchestrator=orch,
-                                settings=settings, observer=injector)
-        result = supervisor.run()
-        figures = _measure(session.store, result, injector, steps)
-        first = next((i for i in result.incidents if i.attempt == 0), None)
-        return {
-            "job": job_id,
-            "store": session.store.url,
-            "workdir": str(workdir),
-            "fault": fault,
-            "injected_rank": rank,
-            "injected_node": f"node-{rank // nproc}",
-            "injected": injector.injected_us > 0,
-            "culprit_ranks": list(first.culprit_ranks) if first else [],
-            "culprit_nodes": list(first.culprit_nodes) if first else [],
-            "kind": first.kind if first else None,
-            "confidence": first.confidence if first else None,
-            "summary": first.summary if first else None,
-            "actions": [f"{a.kind.value} {a.target}" for a in first.actions] if first else [],
-            **figures,
-            "attempts": result.attempts,
-            "reason": result.reason,
-            "total_s": round(time.monotonic() - started, 1),
-        }
+    orch = LocalOrchestrator(workdir=workdir, sink=session.sink)
+    supervisor = Supervisor(spec=spec, store=session.store, orchestrator=orch,
+                            settings=settings, observer=injector)
+    result = supervisor.run()
+    figures = _measure(session.store, result, injector, steps)
+    first = next((i for i in result.incidents if i.attempt == 0), None)
+    return {
+        "job": job_id,
+        "store": session.store.url,
+        "workdir": str(workdir),
+        "fault": fault,
+        "injected_rank": rank,
+        "injected_node": f"node-{rank // nproc}",
+        "injected": injector.injected_us > 0,
+        "culprit_ranks": list(first.culprit_ranks) if first else [],
+        "culprit_nodes": list(first.culprit_nodes) if first else [],
+        "kind": first.kind if first else None,
+        "confidence": first.confidence if first else None,
+        "summary": first.summary if first else None,
+        "actions": [f"{a.kind.value} {a.target}" for a in first.actions] if first else [],
+        **figures,
+        "attempts": result.attempts,
+        "reason": result.reason,
+        "total_s": round(time.monotonic() - started, 1),
+    }
 
 
 def demo_ok(report: dict[str, Any]) -> bool:

@@ -11,6 +11,7 @@ It must never leave processes behind: `stop()` kills stopped (SIGSTOPped) ranks 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -46,7 +47,7 @@ def bootstrap_dir() -> str:
     spec = importlib.util.find_spec("tracehound.agent._bootstrap")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("tracehound.agent._bootstrap is not installed")
-    return str(list(spec.submodule_search_locations)[0])
+    return str(next(iter(spec.submodule_search_locations)))
 
 
 @dataclass
@@ -245,7 +246,5 @@ class LocalOrchestrator:
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(popen.pid, sig)
-    except ProcessLookupError:
-        pass

@@ -40,8 +40,8 @@ def plan_recovery(
     stop = PlannedAction(kind=ActionKind.STOP_JOB, target=f"attempt {verdict.attempt}",
                          reason=verdict.summary)
     if restarts_done >= settings.max_restarts:
-        return (stop, PlannedAction(kind=ActionKind.GIVE_UP, target=verdict.job,
-                                    reason=f"{restarts_done} restarts used of {settings.max_restarts}"))
+        used = f"{restarts_done} restarts used of {settings.max_restarts}"
+        return (stop, PlannedAction(kind=ActionKind.GIVE_UP, target=verdict.job, reason=used))
     isolate: list[PlannedAction] = []
     localized = verdict.basis is not Basis.UNLOCALIZED
     if localized and verdict.confidence >= settings.min_confidence_to_isolate:

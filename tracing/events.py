@@ -70,7 +70,7 @@ class GroupProgress:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat:
-    """A rank's periodic statement of progress; it keeps coming while the rank's main thread waits."""
+    """A rank's periodic report of progress; it keeps coming while the main thread waits."""
 
     job: JobId
     attempt: int

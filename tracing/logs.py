@@ -26,7 +26,9 @@ class JobLogger(logging.LoggerAdapter[logging.Logger]):
         parts.append(f"rank={rank}" if rank is not None else "")
         self._prefix = "[" + " ".join(p for p in parts if p) + "] " if any(parts) else ""
 
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
         kwargs.setdefault("extra", {}).update(self.extra or {})
         return f"{self._prefix}{msg}", kwargs
 

@@ -222,7 +222,9 @@ def decode(raw: Any) -> Record:
             state = CollectiveState(state_text)
         except ValueError:
             accepted = ", ".join(s.value for s in CollectiveState)
-            raise InvalidRecord(f"field 'state' must be one of {accepted}, got {state_text!r}")
+            raise InvalidRecord(
+                f"field 'state' must be one of {accepted}, got {state_text!r}"
+            ) from None
         return CollectiveEvent(
             job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
             group=GroupId(_str(raw, "group")), seq=_int(raw, "seq", lo=1), op=_str(raw, "op"),

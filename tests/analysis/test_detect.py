@@ -17,7 +17,9 @@ def node_of(rank: int) -> str:
     return f"node-{rank // 2}"
 
 
-def progress(group: str, enq: int, comp: int, *, enq_us: int, op: str = "all_reduce") -> GroupProgress:
+def progress(
+    group: str, enq: int, comp: int, *, enq_us: int, op: str = "all_reduce"
+) -> GroupProgress:
     return GroupProgress(
         group=GroupId(group), last_enqueued=enq, last_completed=comp,
         pending_op=op if enq > comp else "", last_enqueue_us=enq_us, last_complete_us=enq_us,
