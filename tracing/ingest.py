@@ -1,0 +1,265 @@
+"""The ingest endpoint of an embedded store, and the client node agents use to post to it.
+
+Only one process may open a chdb directory, so the process that owns the embedded store (the
+controller) runs an `IngestServer` and node agents `post_batch` to it:
+
+    POST /v1/batches?maybe_duplicate=1     body: tracing.wire.encode_batch(batch)
+    200 {"inserted": n, "skipped": n, "rejected": [{"index": i, "reason": "..."}]}
+    400 {"error": "..."}      the batch itself is malformed (bad JSON, no batch_id): do not retry
+    413 {"error": "..."}      the body is larger than the server accepts
+    503 {"error": "..."}      the store is temporarily unavailable; Retry-After says when to retry
+    500 {"error": "..."}      the store refused the batch for good
+
+Bad records inside a well-formed batch are rejected one by one (and counted in `rejected_total`),
+the good ones are stored. The server listens on 127.0.0.1 unless told otherwise; it must never
+run store work on the caller's thread of `start()`/`stop()`, and never lets a request handler's
+exception kill the server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Self
+from urllib.parse import parse_qs, urlsplit
+
+from tracehound.tracing.errors import PermanentStoreError, StoreError, TemporaryStoreError
+from tracehound.tracing.events import Batch
+from tracehound.tracing.store import TraceStore
+from tracehound.tracing.wire import InvalidRecord, Rejection, decode_batch, encode_batch
+
+logger = logging.getLogger(__name__)
+
+BATCHES_PATH = "/v1/batches"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""Largest batch body accepted (413 above it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class IngestResult:
+    """What the ingest endpoint did with a posted batch."""
+
+    inserted: int
+    skipped: int
+    rejected: tuple[Rejection, ...]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("ingest %s: %s", self.client_address[0], format % args)
+
+    def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None
+               ) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        parts = urlsplit(self.path)
+        if parts.path != BATCHES_PATH:
+            self._discard_body()
+            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint {parts.path!r}; "
+                                               f"POST batches to {BATCHES_PATH}"})
+            return
+        flag = parse_qs(parts.query).get("maybe_duplicate", ["0"])[-1]
+        maybe_duplicate = flag.lower() in ("1", "true", "yes")
+        length_text = self.headers.get("Content-Length")
+        if length_text is None or not length_text.isdigit():
+            self.close_connection = True
+            self._reply(HTTPStatus.LENGTH_REQUIRED, {"error": "Content-Length is required"})
+            return
+        length = int(length_text)
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True
+            self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                        {"error": f"batch of {length} bytes exceeds {MAX_BODY_BYTES} bytes"})
+            return
+        body = self.rfile.read(length)
+        self._reply(*self.server.ingest.handle(body, maybe_duplicate=maybe_duplicate))
+
+    def _discard_body(self) -> None:
+        length_text = self.headers.get("Content-Length", "0")
+        if length_text.isdigit() and int(length_text) <= MAX_BODY_BYTES:
+            self.rfile.read(int(length_text))
+        else:
+            self.close_connection = True
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    ingest: IngestServer
+
+
+class IngestServer:
+    """An HTTP endpoint that writes posted batches into `store`, served from a daemon thread."""
+
+    def __init__(self, store: TraceStore, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.store = store
+        self._address = (host, port)
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._counts_lock = threading.Lock()
+        self.batches_total = 0
+        self.inserted_total = 0
+        self.skipped_total = 0
+        self.rejected_total = 0
+        """Records refused by the decoder since start, across all batches."""
+
+    @property
+    def url(self) -> str:
+        """`http://host:port` of the running server."""
+        if self._server is None:
+            raise RuntimeError("the ingest server is not running: call start() first")
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> Self:
+        if self._server is not None:
+            return self
+        server = _Server(self._address, _Handler)
+        server.ingest = self
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.1},
+            name="tracehound-ingest", daemon=True,
+        )
+        self._thread.start()
+        logger.info("ingest endpoint listening at %s for %s", self.url, self.store.url)
+        return self
+
+    def stop(self) -> None:
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join()
+        self._server = self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def handle(self, body: bytes, *, maybe_duplicate: bool
+               ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """Status, JSON payload and extra headers for one posted batch body."""
+        try:
+            decoded = decode_batch(body)
+        except InvalidRecord as exc:
+            return HTTPStatus.BAD_REQUEST, {"error": f"malformed batch: {exc}"}, {}
+        rejected = [{"index": r.index, "reason": r.reason} for r in decoded.rejected]
+        if decoded.rejected:
+            logger.warning(
+                "batch %s: rejected %d of %d records (first: record %d: %s)",
+                decoded.batch.batch_id, len(decoded.rejected),
+                len(decoded.batch.records) + len(decoded.rejected),
+                decoded.rejected[0].index, decoded.rejected[0].reason,
+            )
+        with self._counts_lock:
+            self.batches_total += 1
+            self.rejected_total += len(decoded.rejected)
+        try:
+            report = self.store.insert(decoded.batch, maybe_duplicate=maybe_duplicate)
+        except TemporaryStoreError as exc:
+            logger.warning("batch %s: store unavailable, asking to retry: %s",
+                           decoded.batch.batch_id, exc)
+            retry_after = max(1, math.ceil(exc.retry_after))
+            return (HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)},
+                    {"Retry-After": str(retry_after)})
+        except StoreError as exc:
+            logger.error("batch %s: store refused it: %s", decoded.batch.batch_id, exc)
+            return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": str(exc)}, {}
+        except Exception:
+            logger.exception("batch %s: unexpected failure", decoded.batch.batch_id)
+            return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error"}, {}
+        with self._counts_lock:
+            self.inserted_total += report.inserted
+            self.skipped_total += report.skipped
+        return (HTTPStatus.OK,
+                {"inserted": report.inserted, "skipped": report.skipped, "rejected": rejected}, {})
+
+
+def _endpoint(url: str) -> str:
+    base = url.rstrip("/")
+    return base if base.endswith(BATCHES_PATH) else base + BATCHES_PATH
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body[:200].decode(errors="replace")
+    if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+        return str(payload["error"])
+    return body[:200].decode(errors="replace")
+
+
+def post_batch(url: str, batch: Batch, *, maybe_duplicate: bool, timeout: float = 5.0
+               ) -> IngestResult:
+    """Post a batch to an ingest endpoint (`http://host:port`) and say what it did.
+
+    Raises TemporaryStoreError when the endpoint cannot be reached, times out or answers 503 (or
+    another 5xx but 500), with `retry_after` from the answer; PermanentStoreError when it refuses
+    the batch (4xx, 500)."""
+    endpoint = _endpoint(url)
+    target = endpoint + ("?maybe_duplicate=1" if maybe_duplicate else "")
+    if urlsplit(target).scheme not in ("http", "https"):
+        raise PermanentStoreError(f"ingest URL {url!r}: expected http://host:port")
+    request = urllib.request.Request(  # noqa: S310 (scheme checked above)
+        target, data=encode_batch(batch), method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310
+            body = answer.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        status = exc.code
+        reason = _error_text(body)
+        if status == HTTPStatus.INTERNAL_SERVER_ERROR or 400 <= status < 500:
+            raise PermanentStoreError(
+                f"ingest endpoint {endpoint} refused batch {batch.batch_id} ({status}): {reason}"
+            ) from exc
+        retry_text = exc.headers.get("Retry-After", "") if exc.headers else ""
+        try:
+            retry_after = float(retry_text)
+        except ValueError:
+            retry_after = 1.0
+        raise TemporaryStoreError(
+            f"ingest endpoint {endpoint} is unavailable ({status}): {reason}",
+            retry_after=retry_after,
+        ) from exc
+    except (urllib.error.URLError, OSError) as exc:  # TimeoutError is an OSError
+        raise TemporaryStoreError(f"ingest endpoint {endpoint} is unreachable: {exc}") from exc
+    try:
+        payload = json.loads(body)
+        return IngestResult(
+            inserted=int(payload["inserted"]),
+            skipped=int(payload["skipped"]),
+            rejected=tuple(
+                Rejection(int(r["index"]), str(r["reason"])) for r in payload["rejected"]
+            ),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PermanentStoreError(
+            f"{endpoint} did not answer like a Tracehound ingest endpoint: {body[:200]!r}"
+        ) from exc
