@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tracehound.tracing.events import Heartbeat, ProcessGroupInfo, RankExit
+from tracehound.tracing.events import Heartbeat, ProcessGroupInfo, RankExit, Record
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore
+from tracehound.tracing.wire import InvalidRecord, decode_records, encode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,4 +56,36 @@ def load_snapshot(
         exits=tuple(store.exits(job, attempt)),
         groups=tuple(store.groups(job, attempt)),
         expected_ranks=dict(expected_ranks or {}),
+    )
+
+
+def snapshot_to_json(snap: JobSnapshot) -> str:
+    """A snapshot as JSON (records in their wire form), for golden traces and incident evidence."""
+    records: list[Record] = [*snap.heartbeats, *snap.exits, *snap.groups]
+    return json.dumps(
+        {
+            "job": snap.job,
+            "attempt": snap.attempt,
+            "now_us": snap.now_us,
+            "expected_ranks": {str(r): n for r, n in sorted(snap.expected_ranks.items())},
+            "records": [encode(r) for r in records],
+        },
+        indent=1,
+    )
+
+
+def snapshot_from_json(text: str) -> JobSnapshot:
+    """The inverse of `snapshot_to_json`; bad records raise `InvalidRecord` naming the field."""
+    raw = json.loads(text)
+    records, rejected = decode_records(raw["records"])
+    if rejected:
+        raise InvalidRecord(f"record {rejected[0].index}: {rejected[0].reason}")
+    return JobSnapshot(
+        job=JobId(raw["job"]),
+        attempt=int(raw["attempt"]),
+        now_us=int(raw["now_us"]),
+        heartbeats=tuple(r for r in records if isinstance(r, Heartbeat)),
+        exits=tuple(r for r in records if isinstance(r, RankExit)),
+        groups=tuple(r for r in records if isinstance(r, ProcessGroupInfo)),
+        expected_ranks={int(r): str(n) for r, n in raw.get("expected_ranks", {}).items()},
     )

@@ -173,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with store_session(args.store) as session:
         orch = LocalOrchestrator(workdir=workdir, sink=session.sink)
         result = Supervisor(spec=spec, store=session.store, orchestrator=orch,
-                            settings=settings).run()
+                            settings=settings, evidence_dir=workdir / "incidents").run()
     if args.json:
         _print_json({
             "job": result.job, "completed": result.completed, "attempts": result.attempts,

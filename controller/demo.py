@@ -141,7 +141,8 @@ def run_demo_in_session(
     started = time.monotonic()
     orch = LocalOrchestrator(workdir=workdir, sink=session.sink)
     supervisor = Supervisor(spec=spec, store=session.store, orchestrator=orch,
-                            settings=settings, observer=injector)
+                            settings=settings, observer=injector,
+                            evidence_dir=workdir / "incidents")
     result = supervisor.run()
     figures = _measure(session.store, result, injector, steps)
     first = next((i for i in result.incidents if i.attempt == 0), None)

@@ -18,9 +18,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tracehound.analysis.detect import DetectionSettings, diagnose
-from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
+from tracehound.analysis.snapshot import JobSnapshot, load_snapshot, snapshot_to_json
 from tracehound.analysis.verdict import Verdict
 from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes, Orchestrator
 from tracehound.controller.policy import PlannedAction, PolicySettings, plan_recovery
@@ -86,6 +87,7 @@ class Supervisor:
         clock: Callable[[], int] = now_us,
         sleep: Callable[[float], None] = time.sleep,
         observer: Callable[[PollView], None] | None = None,
+        evidence_dir: Path | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
@@ -94,6 +96,8 @@ class Supervisor:
         self.clock = clock
         self.sleep = sleep
         self.observer = observer
+        self.evidence_dir = evidence_dir
+        self._last_snapshot: JobSnapshot | None = None
         self.pool = NodePool(
             [NodeId(f"node-{i}") for i in range(spec.nnodes + spec.spare_nodes)]
         )
@@ -124,10 +128,11 @@ class Supervisor:
                 if isinstance(outcome, str):
                     self.orch.stop()
                     return self._result(attempt + 1, completed=False, reason=outcome)
-                if not self._recover(outcome):
+                gave_up = self._recover(outcome)
+                if gave_up is not None:
                     return self._result(attempt + 1, completed=False,
-                                        reason=f"gave up after {outcome.kind.value}: "
-                                               f"{outcome.summary}")
+                                        reason=f"gave up after {outcome.kind.value} "
+                                               f"({outcome.summary}): {gave_up}")
                 attempt += 1
         finally:
             self.orch.close()
@@ -165,6 +170,7 @@ class Supervisor:
                 self.observer(PollView(plan.attempt, snap, self.orch))
             verdict = diagnose(snap, self.settings.detection)
             if verdict is not None:
+                self._last_snapshot = snap
                 return verdict
 
     def _record_exit(self, exit_: RankExit) -> None:
@@ -184,7 +190,8 @@ class Supervisor:
         self.log.error("could not record the exit of rank %d: store unavailable", exit_.rank)
 
     # -- acting on a verdict -------------------------------------------------------------------
-    def _recover(self, verdict: Verdict) -> bool:
+    def _recover(self, verdict: Verdict) -> str | None:
+        """Record the incident and carry out the policy's plan; the reason if it gave up."""
         incident_id = f"{verdict.job}/{verdict.attempt}/{next(self._ids)}"
         detected = self.clock()
         incident = Incident(
@@ -197,22 +204,37 @@ class Supervisor:
         self.log.warning("incident %s: %s %s (confidence %.2f)", incident_id, verdict.kind.value,
                          verdict.summary, verdict.confidence)
         self._store_retrying(lambda: self.store.record_incident(incident))
+        self._keep_evidence(incident_id)
         plan = plan_recovery(
             verdict, restarts_done=verdict.attempt,
             healthy_spares=len(self.pool.healthy_spares()), settings=self.settings.policy,
         )
         actions: list[Action] = []
-        gave_up = False
+        gave_up: str | None = None
+        at = detected
         for step in plan:
             ok, detail = self._act(step)
-            gave_up |= step.kind is ActionKind.GIVE_UP
+            at = max(self.clock(), at + 1)  # strictly increasing: actions read back in order
+            if step.kind is ActionKind.GIVE_UP:
+                gave_up = step.reason
             action = Action(job=verdict.job, incident_id=incident_id, kind=step.kind,
-                            target=step.target, time_us=self.clock(), ok=ok,
+                            target=step.target, time_us=at, ok=ok,
                             detail=detail or step.reason)
             actions.append(action)
             self._store_retrying(functools.partial(self.store.record_action, action))
         self._incidents.append(dataclasses.replace(incident, actions=tuple(actions)))
-        return not gave_up
+        return gave_up
+
+    def _keep_evidence(self, incident_id: str) -> None:
+        """Save the snapshot behind a verdict: it replays through the analysis as it was."""
+        if self.evidence_dir is None or self._last_snapshot is None:
+            return
+        path = self.evidence_dir / (incident_id.replace("/", "_") + ".snapshot.json")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(snapshot_to_json(self._last_snapshot))
+        except OSError as exc:
+            self.log.warning("could not keep the evidence of %s in %s: %s", incident_id, path, exc)
 
     def _act(self, step: PlannedAction) -> tuple[bool, str]:
         self.log.info("action %s %s: %s", step.kind.value, step.target, step.reason)

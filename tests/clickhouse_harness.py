@@ -154,8 +154,13 @@ class RunningServer:
         self.stop()
 
 
-def start_server(workdir: Path, *, startup_timeout: float = 30.0) -> RunningServer:
+def start_server(
+    workdir: Path, *, startup_timeout: float = 30.0, tcp_port: int | None = None
+) -> RunningServer:
     """Start clickhouse-server with its files under `workdir`; returns once it answers a query.
+
+    Pass the `tcp_port` of an earlier server on the same `workdir` to bring it back after a stop
+    (outage tests): same URL, same data.
 
     Raises HarnessError (with the server log's tail) if it does not answer in `startup_timeout`
     seconds, or says how to install it if it is missing."""
@@ -165,7 +170,8 @@ def start_server(workdir: Path, *, startup_timeout: float = 30.0) -> RunningServ
         # The log directory must exist before a --daemon start: without it the daemon exits
         # silently.
         (workdir / sub).mkdir(parents=True, exist_ok=True)
-    tcp_port, http_port = free_port(), free_port()
+    tcp_port = tcp_port or free_port()
+    http_port = free_port()
     while http_port == tcp_port:
         http_port = free_port()
     config = workdir / "config.xml"

@@ -1,0 +1,168 @@
+"""The supervision loop driven step by step: a scripted orchestrator (our own port; the real one
+is exercised end to end in test_demo_e2e) and a real store on each adapter. Time is injected, so
+the hang threshold is crossed exactly when the test says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.snapshot import snapshot_from_json
+from tracehound.controller.orchestrator import AttemptPlan
+from tracehound.controller.supervisor import JobSpec, PollView, Supervisor, SupervisorSettings
+from tracehound.tracing.events import (
+    ActionKind,
+    Batch,
+    GroupProgress,
+    Heartbeat,
+    RankExit,
+)
+from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
+from tracehound.tracing.store import TraceStore
+
+S = 1_000_000
+JOB = JobId("sup")
+
+
+@dataclass
+class ScriptedOrchestrator:
+    """Records what the supervisor asks; exits are queued by the test."""
+
+    plans: list[AttemptPlan] = field(default_factory=list)
+    exits: list[RankExit] = field(default_factory=list)
+    stopped: int = 0
+    finished: int = 0
+    isolated: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def launch(self, plan: AttemptPlan) -> None:
+        self.plans.append(plan)
+
+    def poll_exits(self) -> list[RankExit]:
+        out, self.exits = self.exits, []
+        return out
+
+    def pid_of(self, rank: int) -> int | None:
+        return 1000 + rank
+
+    def running(self) -> int:
+        return 0
+
+    def finish(self) -> None:
+        self.finished += 1
+
+    def stop(self, *, grace_s: float = 3.0) -> None:
+        self.stopped += 1
+
+    def isolate(self, node: NodeId, *, reason: str) -> None:
+        self.isolated.append(node)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000 * S
+
+    def __call__(self) -> int:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += int(seconds * S)
+
+
+def beat(
+    attempt: int, rank: int, at: int, enq: int, comp: int, enq_us: int, node: str
+) -> Heartbeat:
+    return Heartbeat(
+        job=JOB, attempt=attempt, node=NodeId(node), rank=Rank(rank), time_us=at, pid=1000 + rank,
+        step=enq, step_us=at, start_step=0, first_step_us=at, dropped=0,
+        groups=(GroupProgress(group=GroupId("0"), last_enqueued=enq, last_completed=comp,
+                              pending_op="all_reduce" if enq > comp else "",
+                              last_enqueue_us=enq_us, last_complete_us=enq_us),),
+    )
+
+
+def test_hang_is_recorded_isolated_and_restarted_on_the_spare(
+    store: TraceStore, tmp_path: Path
+) -> None:
+    clock = Clock()
+    orch = ScriptedOrchestrator()
+    stall_at = clock.now + 2 * S
+    polls: list[int] = []
+
+    def world(view: PollView) -> None:
+        """Attempt 0: rank 3 stops at #40 while 0-2 wait in #41. Attempt 1: trains and exits."""
+        polls.append(view.attempt)
+        plan = orch.plans[-1]
+        nodes = plan.rank_nodes()
+        now = clock.now
+        if view.attempt == 0:
+            beats = [beat(0, r, now, 41, 40, stall_at, nodes[r]) for r in range(3)]
+            beats.append(beat(0, 3, stall_at, 40, 40, stall_at - S // 10, nodes[3]))
+        else:
+            beats = [beat(1, r, now, 5, 5, now, nodes[r]) for r in range(4)]
+            orch.exits = [
+                RankExit(job=JOB, attempt=1, node=NodeId(nodes[r]), rank=Rank(r), pid=1000 + r,
+                         exit_code=0, time_us=now)
+                for r in range(4)
+            ]
+        store.insert(Batch(batch_id=f"b{len(polls)}", records=tuple(beats)))
+
+    sup = Supervisor(
+        spec=JobSpec(job=JOB, command=("python", "train.py"), nnodes=2, nproc_per_node=2,
+                     spare_nodes=1),
+        store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
+        settings=SupervisorSettings(poll_s=0.5, detection=DetectionSettings(hang_after_s=5.0)),
+        evidence_dir=tmp_path,
+    )
+    result = sup.run()
+
+    assert result.completed is True
+    assert result.attempts == 2
+    assert [p.nodes for p in orch.plans] == [("node-0", "node-1"), ("node-0", "node-2")]
+    assert orch.isolated == ["node-1"]
+    assert orch.stopped == 1 and orch.finished == 1 and orch.closed
+    # Polls every 0.5 s; ranks 0-2 entered #41 at 2.0 s. Their heartbeats sent at 7.0 s (5 s of
+    # waiting on their own clocks) are first read by the poll at 7.5 s, the 15th: it gives the
+    # verdict, and the 16th poll belongs to attempt 1.
+    assert polls.index(1) == 15
+
+    (incident,) = store.incidents(JOB)
+    assert incident.kind == "hang"
+    assert incident.culprit_ranks == (3,)
+    assert incident.culprit_nodes == ("node-1",)
+    assert [(a.kind, a.target, a.ok) for a in incident.actions] == [
+        (ActionKind.STOP_JOB, "attempt 0", True),
+        (ActionKind.ISOLATE_NODE, "node-1", True),
+        (ActionKind.RESTART, "attempt 1", True),
+    ]
+    (evidence,) = tmp_path.glob("*.snapshot.json")
+    replay = snapshot_from_json(evidence.read_text())
+    assert replay.attempt == 0 and len(replay.heartbeats) == 4
+    assert [e.rank for e in store.exits(JOB, 1)] == [0, 1, 2, 3]
+
+
+def test_crash_without_spares_gives_up_and_says_why(store: TraceStore) -> None:
+    clock = Clock()
+    orch = ScriptedOrchestrator()
+
+    def world(view: PollView) -> None:
+        if not orch.exits and not store.exits(JOB, 0):
+            orch.exits = [RankExit(job=JOB, attempt=0, node=NodeId("node-0"), rank=Rank(1),
+                                   pid=1001, exit_code=-9, time_us=clock.now)]
+
+    sup = Supervisor(
+        spec=JobSpec(job=JOB, command=("python", "t.py"), nnodes=1, nproc_per_node=2),
+        store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
+    )
+    result = sup.run()
+    assert result.completed is False
+    assert result.attempts == 1
+    assert "only 0 spare" in result.reason
+    (incident,) = store.incidents(JOB)
+    assert incident.kind == "crash" and incident.culprit_ranks == (1,)
+    assert [a.kind for a in incident.actions] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
