@@ -50,6 +50,7 @@ class FaultInjector:
     rank: int
     at_step: int
     injected_us: int = 0
+    injected_step: int = 0
     pid: int = 0
     log: list[str] = field(default_factory=list)
 
@@ -64,6 +65,7 @@ class FaultInjector:
             return
         os.kill(pid, FAULT_SIGNALS[self.fault])
         self.injected_us = now_us()
+        self.injected_step = max(steps)
         self.pid = pid
         self.log.append(
             f"injected {self.fault}: {FAULT_SIGNALS[self.fault].name} to rank {self.rank} "
@@ -116,6 +118,7 @@ def run_demo_in_session(
     fault_step: int = 60,
     steps: int = 200,
     checkpoint_every: int = 25,
+    step_sleep_ms: float = 30.0,
     workdir: Path | None = None,
     settings: SupervisorSettings | None = None,
     job: str | None = None,
@@ -133,6 +136,7 @@ def run_demo_in_session(
     command = (
         sys.executable, training_script(), "--steps", str(steps),
         "--checkpoint-every", str(checkpoint_every), "--pg-timeout-s", "120",
+        "--step-sleep-ms", str(step_sleep_ms),
     )
     spec = JobSpec(job=job_id, command=command, nnodes=nnodes, nproc_per_node=nproc,
                    spare_nodes=spares)
@@ -154,6 +158,7 @@ def run_demo_in_session(
         "injected_rank": rank,
         "injected_node": f"node-{rank // nproc}",
         "injected": injector.injected_us > 0,
+        "injected_at_step": injector.injected_step,
         "culprit_ranks": list(first.culprit_ranks) if first else [],
         "culprit_nodes": list(first.culprit_nodes) if first else [],
         "kind": first.kind if first else None,
@@ -180,7 +185,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"Tracehound demo: job {report['job']}",
         f"  fault           {report['fault']} of rank {report['injected_rank']} "
-        f"({report['injected_node']})",
+        f"({report['injected_node']}) at step {report['injected_at_step']}",
         f"  found           ranks {report['culprit_ranks']} on {report['culprit_nodes']} "
         f"[{verdict}] confidence {num(report['confidence'])}",
         f"  why             {report['summary'] or '-'}",

@@ -6,6 +6,7 @@ so a stored job gives the same verdict whenever it is diagnosed.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tracehound.analysis.detect import DetectionSettings, diagnose
@@ -43,6 +44,8 @@ def diagnose_stored(
     attempts = store.attempts(job)
     if not attempts:
         return None
+    # Stored data is complete: no exit is still in flight, so nothing needs to settle.
+    settings = dataclasses.replace(settings or DetectionSettings(), crash_settle_s=0.0)
     candidates = [attempt] if attempt is not None else sorted(attempts, reverse=True)
     for a in candidates:
         snap = _as_of_end(store, job, a)

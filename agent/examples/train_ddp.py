@@ -1,0 +1,133 @@
+"""Demo training job: a small MLP on synthetic data, DDP over gloo, checkpoints, injected faults.
+
+Launched once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). It knows
+nothing about Tracehound's recorder (that is auto-installed); the only Tracehound import is the
+checkpoint helper. Faults are injected from inside for tests and demos:
+
+    --fault crash --fault-rank 1 --fault-step 30   rank 1 exits with status 1 before step 30
+    --fault hang  ...                              it sleeps forever instead
+    --fault slow  ...                              it sleeps --slow-ms extra per step from then on
+
+A fault fires only in attempt --fault-attempt (default 0; -1: every attempt), so a restarted job
+that resumed from a checkpoint runs on healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from tracehound.agent import checkpoint
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="train until this step")
+    parser.add_argument("--checkpoint-every", type=int, default=25, help="0: never")
+    parser.add_argument("--pg-timeout-s", type=float, default=60.0)
+    parser.add_argument("--step-sleep-ms", type=float, default=0.0)
+    parser.add_argument("--print-every", type=int, default=10)
+    parser.add_argument("--fault", choices=["none", "crash", "hang", "slow"], default="none")
+    parser.add_argument("--fault-rank", type=int, default=0)
+    parser.add_argument("--fault-step", type=int, default=0)
+    parser.add_argument("--fault-attempt", type=int, default=0, help="-1: every attempt")
+    parser.add_argument("--slow-ms", type=float, default=50.0)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    return parser.parse_args(argv)
+
+
+def attempt() -> int:
+    raw = os.environ.get("TRACEHOUND_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return int(raw) if raw else 0
+
+
+def inject(args: argparse.Namespace, rank: int, step: int) -> None:
+    """Apply the configured fault if this rank, step and attempt are the chosen ones."""
+    if args.fault == "none" or rank != args.fault_rank or step < args.fault_step:
+        return
+    if args.fault_attempt >= 0 and attempt() != args.fault_attempt:
+        return
+    if args.fault == "crash" and step == args.fault_step:
+        print(f"rank {rank}: injected crash at step {step}", flush=True)
+        os._exit(1)
+    if args.fault == "hang" and step == args.fault_step:
+        print(f"rank {rank}: injected hang at step {step}", flush=True)
+        while True:
+            time.sleep(3600)
+    if args.fault == "slow":
+        time.sleep(args.slow_ms / 1000.0)
+
+
+def batch_for(step: int, rank: int, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic regression data, a function of (step, rank) so a resumed run sees the same."""
+    generator = torch.Generator().manual_seed(step * 1009 + rank)
+    x = torch.randn(size, width, generator=generator)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return x, y
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(
+        nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.MSELoss()
+
+    def state() -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    start = 0
+    if args.checkpoint_every > 0 and os.environ.get("TRACEHOUND_CHECKPOINT_DIR"):
+        loaded_state = state()
+        resumed = checkpoint.load(loaded_state)
+        if resumed is not None:
+            set_state_dict(
+                model, optimizer,
+                model_state_dict=loaded_state["model"], optim_state_dict=loaded_state["optim"],
+            )
+            start = resumed
+            print(f"rank {rank}/{world}: resumed from step {start}", flush=True)
+
+    for step in range(start, args.steps):
+        inject(args, rank, step)
+        x, y = batch_for(step, rank, args.batch, args.width)
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        done = step + 1
+        if args.step_sleep_ms > 0:
+            time.sleep(args.step_sleep_ms / 1000.0)
+        if args.print_every > 0 and done % args.print_every == 0:
+            print(f"rank {rank}/{world}: step {done} loss {loss.item():.4f}", flush=True)
+        if (
+            args.checkpoint_every > 0
+            and done % args.checkpoint_every == 0
+            and os.environ.get("TRACEHOUND_CHECKPOINT_DIR")
+        ):
+            checkpoint.save(state(), done)
+
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}/{world}: finished at step {args.steps}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

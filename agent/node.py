@@ -1,0 +1,303 @@
+"""The node agent: receives records from the ranks of one node and ships them to the trace store.
+
+    python -m tracehound.agent.node --job J --node N --socket PATH --spool DIR --sink URL
+                                    [--stats-file FILE] [--stats-interval S] [--drain-s S]
+
+Ranks connect to the unix socket at PATH and write newline-delimited JSON records
+(`tracing.wire`). Each line is decoded and validated; bad lines are counted and logged with the
+reason, never fatal. Good records go to the durable spool in DIR (`agent.spool`), and a shipper
+thread sends sealed segments to the sink: `clickhouse://...` writes straight into the ClickHouse
+server, `http://host:port` posts to the ingest endpoint of the process that owns an embedded
+store. SIGTERM/SIGINT: stop accepting, ship what is left for at most --drain-s seconds (10), exit
+0; whatever could not be shipped stays in DIR for the next agent started on it.
+
+The agent must never crash on what a rank sends, and never lose a record it accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from tracehound.agent.spool import BatchSink, HttpSink, Shipper, Spool, StoreSink
+from tracehound.tracing import logs
+from tracehound.tracing.errors import StoreConfigError
+from tracehound.tracing.wire import InvalidRecord, decode
+
+log = logging.getLogger(__name__)
+
+_MAX_LINE = 1 << 20
+"""Longest line accepted from a rank; longer ones are rejected (and the connection resynced)."""
+
+
+def make_sink(url: str) -> BatchSink:
+    """The sink a URL names: clickhouse:// (a store) or http(s):// (an ingest endpoint)."""
+    if url.startswith(("http://", "https://")):
+        return HttpSink(url)
+    if url.startswith("clickhouse://"):
+        from tracehound.tracing.store import open_store, parse_server_url
+
+        parse_server_url(url)  # a malformed URL fails now, not in the shipper thread
+        return StoreSink(factory=lambda: open_store(url))
+    raise StoreConfigError(
+        f"sink URL {url!r}: expected clickhouse://user:pass@host:9000/db or http://host:port"
+    )
+
+
+class NodeAgent:
+    """The socket server, the spool and the shipper of one node."""
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        node: str,
+        socket_path: str,
+        spool: Spool,
+        sink: BatchSink,
+        stats_file: str | None = None,
+        stats_interval_s: float = 10.0,
+    ) -> None:
+        self.job = job
+        self.node = node
+        self.socket_path = socket_path
+        self.spool = spool
+        self.shipper = Shipper(spool, sink)
+        self.stats_file = stats_file
+        self.stats_interval_s = stats_interval_s
+        self.log = logs.JobLogger(log, job=job, node=node)
+        self._server: socket.socket | None = None
+        self._closing = threading.Event()
+        self._stop_shipper = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._connections: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.connections = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        path = Path(self.socket_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(self.socket_path)
+        server.listen(128)
+        server.settimeout(0.2)
+        self._server = server
+        for target, name in (
+            (self._accept_loop, "accept"),
+            (lambda: self.shipper.run(self._stop_shipper), "shipper"),
+            (self._stats_loop, "stats"),
+        ):
+            thread = threading.Thread(target=target, name=f"tracehound-node-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self.log.info("listening on %s, spool %s (id %s), %d segments pending",
+                      self.socket_path, self.spool.directory, self.spool.spool_id,
+                      len(self.spool.sealed()))
+
+    def stop(self, drain_s: float = 10.0) -> bool:
+        """Stop accepting, read what connected ranks already sent, ship what is left within
+        `drain_s` seconds. True when the spool is empty."""
+        self._closing.set()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        deadline = time.monotonic() + drain_s
+        for thread in list(self._connections):
+            thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        self._stop_shipper.set()
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        empty = self.shipper.drain(max(0.0, deadline - time.monotonic()))
+        self.write_stats()
+        self.log_stats()
+        if not empty:
+            self.log.warning("%d segments left in %s for the next agent",
+                             len(self.spool.sealed()), self.spool.directory)
+        return empty
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            server = self._server
+            if server is None:
+                return
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closing.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            self.connections += 1
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name="tracehound-node-conn", daemon=True
+            )
+            thread.start()
+            with self._lock:
+                self._connections = [t for t in self._connections if t.is_alive()]
+                self._connections.append(thread)
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(0.2)
+        buffer = b""
+        quiet_since_close = False
+        try:
+            while True:
+                try:
+                    chunk = conn.recv(1 << 16)
+                except TimeoutError:
+                    if self._closing.is_set():
+                        if quiet_since_close:
+                            break
+                        quiet_since_close = True
+                    continue
+                if not chunk:
+                    break
+                quiet_since_close = False
+                buffer += chunk
+                if b"\n" not in buffer:
+                    if len(buffer) > _MAX_LINE:
+                        self._reject(f"line longer than {_MAX_LINE} bytes")
+                        buffer = b""
+                    continue
+                *lines, buffer = buffer.split(b"\n")
+                self.receive(lines)
+            if buffer.strip():
+                self.receive([buffer])
+        except OSError as exc:
+            self.log.debug("rank connection lost: %r", exc)
+        except Exception as exc:
+            self.log.exception("rank connection handler failed: %r", exc)
+        finally:
+            conn.close()
+
+    def receive(self, lines: list[bytes]) -> None:
+        """Validate lines from a rank and spool the good ones."""
+        good: list[bytes] = []
+        for raw in lines:
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                decode(json.loads(line))
+            except (ValueError, InvalidRecord) as exc:
+                self._reject(str(exc), line)
+                continue
+            good.append(line)
+        if good:
+            self.spool.stats.received += len(good)
+            self.spool.append(good)
+
+    def _reject(self, reason: str, line: bytes = b"") -> None:
+        self.spool.stats.rejected += 1
+        count = self.spool.stats.rejected
+        if count <= 20 or count % 1000 == 0:
+            self.log.warning("rejected record #%d from a rank: %s: %r", count, reason, line[:200])
+
+    # -- stats ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        values = asdict(self.spool.stats)
+        values["pending_segments"] = len(self.spool.sealed())
+        values["connections"] = self.connections
+        return values
+
+    def log_stats(self) -> None:
+        s = self.stats()
+        self.log.info(
+            "received %d, spooled %d, shipped %d, rejected %d, pending segments %d, retries %d",
+            s["received"], s["spooled"], s["shipped"], s["rejected"], s["pending_segments"],
+            s["retries"],
+        )
+
+    def write_stats(self) -> None:
+        if not self.stats_file:
+            return
+        try:
+            tmp = f"{self.stats_file}.tmp"
+            with open(tmp, "w") as handle:
+                json.dump(self.stats(), handle)
+            os.replace(tmp, self.stats_file)
+        except OSError as exc:
+            self.log.warning("could not write stats file %s: %r", self.stats_file, exc)
+
+    def _stats_loop(self) -> None:
+        last_log = time.monotonic()
+        while not self._stop_shipper.wait(min(1.0, self.stats_interval_s)):
+            self.write_stats()
+            if time.monotonic() - last_log >= self.stats_interval_s:
+                last_log = time.monotonic()
+                self.log_stats()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tracehound.agent.node", description="Tracehound node agent"
+    )
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--socket", required=True, help="unix socket the ranks connect to")
+    parser.add_argument("--spool", required=True, help="durable spool directory")
+    parser.add_argument("--sink", required=True, help="clickhouse://... or http://host:port")
+    parser.add_argument("--stats-file", default=None, help="JSON stats, rewritten every second")
+    parser.add_argument("--stats-interval", type=float, default=10.0, help="seconds between logs")
+    parser.add_argument("--drain-s", type=float, default=10.0, help="shipping budget at stop")
+    parser.add_argument("--seal-interval", type=float, default=0.2)
+    parser.add_argument("--seal-records", type=int, default=5000)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs.configure()
+    try:
+        sink = make_sink(args.sink)
+    except StoreConfigError as exc:
+        print(f"tracehound node agent: {exc}", file=sys.stderr)
+        return 2
+    spool = Spool(
+        args.spool, node=args.node, seal_records=args.seal_records,
+        seal_interval_s=args.seal_interval,
+    )
+    agent = NodeAgent(
+        job=args.job, node=args.node, socket_path=args.socket, spool=spool, sink=sink,
+        stats_file=args.stats_file, stats_interval_s=args.stats_interval,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    agent.start()
+    while not stop.wait(1.0):
+        pass
+    agent.log.info("stopping: shipping what is left (at most %.0fs)", args.drain_s)
+    agent.stop(drain_s=args.drain_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,377 @@
+"""The node agent's durable spool and the shipper that empties it into the trace store.
+
+Records received from ranks are appended (as their validated wire JSON, one per line) to an open
+segment file; a segment is sealed (fsync, rename `.open` -> `.seg`, fsync of the directory) every
+~0.2 s or every N records. The shipper sends sealed segments in order, one `Batch` per segment,
+with a batch id that is stable across retries and restarts: `<node>/<spool-id>/<segment>`, where
+the spool id is created once and kept in the spool directory. Before a segment is sent an
+in-flight marker is written; a segment is deleted only after the sink accepted it. A segment that
+might already have landed (an earlier try failed, or its in-flight marker was found at startup)
+is sent with `maybe_duplicate=True`, so the store keeps it exactly once.
+
+A store outage must lose nothing: the shipper retries with backoff while the spool keeps growing
+on disk. A batch the sink refuses for good is moved to `rejected/` (kept for a human, not retried).
+Nothing here may raise out of the shipper thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tracehound.tracing.errors import PermanentStoreError, StoreError, TemporaryStoreError
+from tracehound.tracing.events import Batch, Record
+from tracehound.tracing.store import TraceStore
+from tracehound.tracing.wire import InvalidRecord, decode
+
+log = logging.getLogger(__name__)
+
+SPOOL_ID_FILE = "spool-id"
+_OPEN, _SEALED, _INFLIGHT = ".open", ".seg", ".inflight"
+
+
+class BatchSink(Protocol):
+    """Where sealed segments go. Raises TemporaryStoreError (retry) or PermanentStoreError."""
+
+    def send(self, batch: Batch, *, maybe_duplicate: bool) -> None: ...
+
+
+class StoreSink:
+    """Writes batches straight into a trace store (e.g. a ClickHouse server)."""
+
+    def __init__(
+        self, store: TraceStore | None = None, *, factory: Callable[[], TraceStore] | None = None
+    ) -> None:
+        """Give the store, or a factory that opens it on first use (and again after a failure)."""
+        if store is None and factory is None:
+            raise ValueError("StoreSink needs a store or a factory")
+        self._store = store
+        self._factory = factory
+
+    def _open(self) -> TraceStore:
+        if self._store is None and self._factory is not None:
+            self._store = self._factory()  # raises TemporaryStoreError while the server is down
+        if self._store is None:
+            raise TemporaryStoreError("no store")
+        return self._store
+
+    def send(self, batch: Batch, *, maybe_duplicate: bool) -> None:
+        self._open().insert(batch, maybe_duplicate=maybe_duplicate)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+
+class HttpSink:
+    """Posts batches to the ingest endpoint of the process that owns an embedded store."""
+
+    def __init__(self, url: str, *, timeout: float = 5.0) -> None:
+        self.url = url
+        self.timeout = timeout
+
+    def send(self, batch: Batch, *, maybe_duplicate: bool) -> None:
+        from tracehound.tracing.ingest import post_batch
+
+        result: Any = post_batch(
+            self.url, batch, maybe_duplicate=maybe_duplicate, timeout=self.timeout
+        )
+        rejected = getattr(result, "rejected", ())
+        if rejected:
+            log.warning("batch %s: the store rejected %d records (first: %s)",
+                        batch.batch_id, len(rejected), rejected[0])
+
+
+@dataclass
+class SpoolStats:
+    received: int = 0
+    """Valid records received from ranks."""
+    rejected: int = 0
+    """Lines from ranks that were not valid records."""
+    spooled: int = 0
+    """Records written to segment files."""
+    shipped: int = 0
+    """Records in batches the sink accepted."""
+    shipped_batches: int = 0
+    retries: int = 0
+    """Failed tries to ship a batch (each retried later)."""
+    refused_batches: int = 0
+    """Batches the sink refused for good (moved to rejected/)."""
+    corrupt_lines: int = 0
+    """Lines of sealed segments that could not be read back (a torn write before a crash)."""
+    pending_segments: int = 0
+
+
+class Spool:
+    """Segment files in one directory; safe to append from several threads."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        node: str,
+        seal_records: int = 5000,
+        seal_interval_s: float = 0.2,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.node = node
+        self.seal_records = seal_records
+        self.seal_interval_s = seal_interval_s
+        self.monotonic = monotonic
+        self.stats = SpoolStats()
+        self.spool_id = self._spool_id()
+        self._lock = threading.Lock()
+        self._open_file: Any = None
+        self._open_number = 0
+        self._open_count = 0
+        self._open_since = 0.0
+        numbers = [self._number(p) for p in self.directory.iterdir()]
+        self._next = max((n for n in numbers if n is not None), default=0) + 1
+        for path in sorted(self.directory.glob(f"seg-*{_OPEN}")):
+            number = self._number(path)
+            if number is not None:
+                os.replace(path, self.path(number, _SEALED))
+                log.info("sealed segment %d left open by an earlier agent", number)
+        self._fsync_dir()
+        self.stats.pending_segments = len(self.sealed())
+
+    # -- names ----------------------------------------------------------------------------------
+
+    def _spool_id(self) -> str:
+        path = self.directory / SPOOL_ID_FILE
+        try:
+            text = path.read_text().strip()
+            if text:
+                return text
+        except FileNotFoundError:
+            pass
+        value = uuid.uuid4().hex
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as handle:
+            handle.write(value + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        self._fsync_dir()
+        return value
+
+    @staticmethod
+    def _number(path: Path) -> int | None:
+        name = path.name
+        if not name.startswith("seg-"):
+            return None
+        stem = name[4:].split(".", 1)[0]
+        return int(stem) if stem.isdigit() else None
+
+    def path(self, number: int, suffix: str) -> Path:
+        return self.directory / f"seg-{number:010d}{suffix}"
+
+    def batch_id(self, number: int) -> str:
+        return f"{self.node}/{self.spool_id}/{number}"
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def append(self, lines: list[bytes]) -> None:
+        """Append validated wire lines (without newlines) to the open segment."""
+        if not lines:
+            return
+        with self._lock:
+            if self._open_file is None:
+                self._open_number = self._next
+                self._next += 1
+                self._open_file = open(self.path(self._open_number, _OPEN), "ab")  # noqa: SIM115
+                self._open_count = 0
+                self._open_since = self.monotonic()
+            self._open_file.write(b"\n".join(lines) + b"\n")
+            self._open_file.flush()  # a crash of the agent loses nothing; fsync waits for the seal
+            self._open_count += len(lines)
+            self.stats.spooled += len(lines)
+            if self._open_count >= self.seal_records:
+                self._seal_locked()
+
+    def maybe_seal(self, *, force: bool = False) -> bool:
+        """Seal the open segment if it is old enough, full, or `force`; True if one was sealed."""
+        with self._lock:
+            if self._open_file is None:
+                return False
+            if force or self.monotonic() - self._open_since >= self.seal_interval_s:
+                self._seal_locked()
+                return True
+            return False
+
+    def _seal_locked(self) -> None:
+        handle, self._open_file = self._open_file, None
+        handle.flush()
+        os.fsync(handle.fileno())
+        handle.close()
+        os.replace(self.path(self._open_number, _OPEN), self.path(self._open_number, _SEALED))
+        self._fsync_dir()
+        self.stats.pending_segments += 1
+
+    def close(self) -> None:
+        self.maybe_seal(force=True)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def sealed(self) -> list[int]:
+        numbers = (self._number(p) for p in self.directory.glob(f"seg-*{_SEALED}"))
+        return sorted(n for n in numbers if n is not None)
+
+    def read(self, number: int) -> Batch:
+        """The batch a sealed segment holds (lines that cannot be read back are counted)."""
+        records: list[Record] = []
+        with open(self.path(number, _SEALED), "rb") as handle:
+            for line in handle:
+                if not line.strip():
+                    continue
+                try:
+                    records.append(decode(json.loads(line)))
+                except (ValueError, InvalidRecord) as exc:
+                    self.stats.corrupt_lines += 1
+                    log.warning("segment %d: unreadable line skipped: %s", number, exc)
+        return Batch(batch_id=self.batch_id(number), records=tuple(records))
+
+    def in_flight(self, number: int) -> bool:
+        return self.path(number, _INFLIGHT).exists()
+
+    def mark_in_flight(self, number: int) -> None:
+        with open(self.path(number, _INFLIGHT), "wb") as handle:
+            handle.flush()
+            os.fsync(handle.fileno())
+        self._fsync_dir()
+
+    def remove(self, number: int) -> None:
+        """The sink has the segment: forget it (segment first, then its marker)."""
+        self.path(number, _SEALED).unlink(missing_ok=True)
+        self.path(number, _INFLIGHT).unlink(missing_ok=True)
+        self.stats.pending_segments = max(0, self.stats.pending_segments - 1)
+
+    def set_aside(self, number: int) -> Path:
+        """Move a segment the sink refused for good to `rejected/`."""
+        target_dir = self.directory / "rejected"
+        target_dir.mkdir(exist_ok=True)
+        target = target_dir / self.path(number, _SEALED).name
+        os.replace(self.path(number, _SEALED), target)
+        self.path(number, _INFLIGHT).unlink(missing_ok=True)
+        self.stats.pending_segments = max(0, self.stats.pending_segments - 1)
+        return target
+
+
+class ShipResult(enum.Enum):
+    IDLE = "idle"
+    SHIPPED = "shipped"
+    RETRY = "retry"
+    REFUSED = "refused"
+
+
+class Shipper:
+    """Sends sealed segments in order; one segment at a time, retried until the sink has it."""
+
+    def __init__(
+        self,
+        spool: Spool,
+        sink: BatchSink,
+        *,
+        min_backoff_s: float = 0.2,
+        max_backoff_s: float = 10.0,
+    ) -> None:
+        self.spool = spool
+        self.sink = sink
+        self.min_backoff_s = min_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.backoff_s = 0.0
+        """How long to wait before the next try (0 after a success)."""
+        self._tried: set[int] = set()
+        """Segments with a failed try in this process: they may already have landed."""
+        self._lock = threading.Lock()
+
+    def ship_once(self) -> ShipResult:
+        """Try to ship the oldest sealed segment (one caller at a time)."""
+        with self._lock:
+            return self._ship_once()
+
+    def _ship_once(self) -> ShipResult:
+        spool = self.spool
+        numbers = spool.sealed()
+        if not numbers:
+            return ShipResult.IDLE
+        number = numbers[0]
+        maybe_duplicate = number in self._tried or spool.in_flight(number)
+        try:
+            batch = spool.read(number)
+            if not maybe_duplicate:
+                spool.mark_in_flight(number)
+            if batch.records:
+                self.sink.send(batch, maybe_duplicate=maybe_duplicate)
+        except PermanentStoreError as exc:
+            target = spool.set_aside(number)
+            spool.stats.refused_batches += 1
+            self._tried.discard(number)
+            log.error("batch %s refused for good, kept in %s: %s",
+                      spool.batch_id(number), target, exc)
+            return ShipResult.REFUSED
+        except (TemporaryStoreError, StoreError, OSError, Exception) as exc:
+            self._tried.add(number)
+            spool.stats.retries += 1
+            retry_after = getattr(exc, "retry_after", 0.0)
+            self.backoff_s = min(
+                self.max_backoff_s, max(self.min_backoff_s, self.backoff_s * 2, retry_after)
+            )
+            log.warning("batch %s not shipped (%d pending segments), retrying in %.1fs: %s",
+                        spool.batch_id(number), spool.stats.pending_segments, self.backoff_s, exc)
+            return ShipResult.RETRY
+        spool.remove(number)
+        self._tried.discard(number)
+        self.backoff_s = 0.0
+        spool.stats.shipped += len(batch.records)
+        spool.stats.shipped_batches += 1
+        return ShipResult.SHIPPED
+
+    def run(self, stop: threading.Event) -> None:
+        """Seal and ship until `stop` is set; never raises."""
+        while not stop.is_set():
+            try:
+                self.spool.maybe_seal()
+                result = self.ship_once()
+            except Exception as exc:
+                log.exception("shipper error: %r", exc)
+                result = ShipResult.RETRY
+                self.backoff_s = max(self.backoff_s, self.min_backoff_s)
+            if result is ShipResult.RETRY:
+                stop.wait(self.backoff_s)
+            elif result is ShipResult.IDLE:
+                stop.wait(self.spool.seal_interval_s / 2)
+
+    def drain(self, deadline_s: float, monotonic: Callable[[], float] = time.monotonic) -> bool:
+        """Seal what is open and ship until the spool is empty or `deadline_s` seconds passed;
+        True if nothing is left."""
+        end = monotonic() + deadline_s
+        try:
+            self.spool.maybe_seal(force=True)
+        except Exception as exc:
+            log.exception("could not seal the open segment: %r", exc)
+        while monotonic() < end:
+            result = self.ship_once()
+            if result is ShipResult.IDLE:
+                return True
+            if result is ShipResult.RETRY:
+                time.sleep(max(0.0, min(self.backoff_s, end - monotonic())))
+        return not self.spool.sealed()

@@ -1,0 +1,172 @@
+"""Rank -> node agent transport: a bounded queue drained by a daemon thread onto a unix socket.
+
+The training thread only appends to a deque (`offer`); a daemon thread turns the items into
+records, encodes them with `tracing.wire.encode` as newline-delimited JSON and writes them to the
+node agent's socket, reconnecting with backoff while the agent is not (yet) there. Records stay
+buffered up to the bound while disconnected; beyond it they are dropped and counted.
+
+It must never block or raise into the training thread: `offer` is a length check and an append.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+
+from tracehound.agent.recorder import Pending, materialize
+from tracehound.tracing import wire
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 512
+"""Items encoded and written per socket write."""
+
+
+class SocketTransport:
+    """Ships queued items to the node agent listening on the unix socket at `path`."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        bound: int = 65536,
+        poll_s: float = 0.05,
+        max_backoff_s: float = 1.0,
+    ) -> None:
+        self.path = path
+        self.bound = bound
+        self.poll_s = poll_s
+        self.max_backoff_s = max_backoff_s
+        self._queue: collections.deque[Pending] = collections.deque()
+        self._unsent: bytes = b""
+        self._sock: socket.socket | None = None
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.dropped = 0
+        """Items refused because the queue was full, or that could not be encoded."""
+        self.sent = 0
+        self.connects = 0
+
+    # -- training-thread side --------------------------------------------------------------------
+
+    def offer(self, item: Pending) -> bool:
+        if len(self._queue) >= self.bound:
+            self.dropped += 1
+            return False
+        self._queue.append(item)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="tracehound-transport", daemon=True
+                )
+                self._thread.start()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until the queue is empty and written; True if it is."""
+        if self._thread is None:
+            self.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._queue and not self._unsent and self._idle.is_set():
+                return True
+            self._idle.clear()
+            self._wake.set()
+            self._idle.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        return not self._queue and not self._unsent
+
+    def close(self, timeout: float = 2.0) -> None:
+        self.flush(timeout)
+        self._stop = True
+        self._wake.set()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def forget_thread(self) -> None:
+        """After a fork: the child has no sender thread; drop what was queued."""
+        self._thread = None
+        self._stop = True
+        self._queue.clear()
+
+    # -- sender thread ----------------------------------------------------------------------------
+
+    def _connect(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            return None
+        self.connects += 1
+        if self.connects > 1:
+            log.info("tracehound transport reconnected to %s", self.path)
+        return sock
+
+    def _encode(self, count: int) -> bytes:
+        lines: list[str] = []
+        for _ in range(count):
+            try:
+                item = self._queue.popleft()
+            except IndexError:
+                break
+            try:
+                lines.append(json.dumps(wire.encode(materialize(item)), separators=(",", ":")))
+            except Exception as exc:
+                self.dropped += 1
+                log.warning("tracehound transport could not encode %r: %r", item, exc)
+        return ("\n".join(lines) + "\n").encode() if lines else b""
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if self._sock is None:
+                    self._sock = self._connect()
+                    if self._sock is None:
+                        if self._stop:
+                            return
+                        self._wake.wait(backoff)
+                        self._wake.clear()
+                        backoff = min(backoff * 2, self.max_backoff_s)
+                        continue
+                    backoff = 0.05
+                if not self._unsent:
+                    self._unsent = self._encode(_CHUNK)
+                if self._unsent:
+                    data = self._unsent
+                    self._sock.sendall(data)
+                    self.sent += data.count(b"\n")
+                    self._unsent = b""
+                    continue
+                self._idle.set()
+                if self._stop:
+                    return
+                self._wake.wait(self.poll_s)
+                self._wake.clear()
+            except OSError as exc:
+                log.debug("tracehound transport lost %s: %r", self.path, exc)
+                sock, self._sock = self._sock, None
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.close()
+            except Exception as exc:
+                log.warning("tracehound transport error: %r", exc)
+                self._unsent = b""
+                time.sleep(0.1)

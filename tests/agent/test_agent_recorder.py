@@ -1,0 +1,307 @@
+"""The recorder and the collective wrappers, with an injected clock and a fake sink.
+
+The wrappers are exercised on stand-in functions with torch's signatures (no process group is
+created in the test process, and torch.distributed itself is never patched here)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from tracehound.agent import hooks
+from tracehound.agent.recorder import Pending, Recorder, materialize
+from tracehound.tracing.events import (
+    CollectiveEvent,
+    CollectiveState,
+    Heartbeat,
+    ProcessGroupInfo,
+    Record,
+)
+
+
+class FakeClock:
+    def __init__(self, start: int = 1_000_000) -> None:
+        self.now = start
+
+    def __call__(self) -> int:
+        return self.now
+
+    def tick(self, us: int) -> None:
+        self.now += us
+
+
+class FakeSink:
+    """Keeps what it is offered, up to `bound` items."""
+
+    def __init__(self, bound: int = 1000) -> None:
+        self.items: list[Pending] = []
+        self.bound = bound
+        self.flushed: list[float] = []
+
+    def offer(self, item: Pending) -> bool:
+        if len(self.items) >= self.bound:
+            return False
+        self.items.append(item)
+        return True
+
+    def flush(self, timeout: float) -> bool:
+        self.flushed.append(timeout)
+        return True
+
+    def records(self) -> list[Record]:
+        return [materialize(i) for i in self.items]
+
+    def of(self, kind: type) -> list[Any]:
+        return [r for r in self.records() if isinstance(r, kind)]
+
+
+def make(sink: FakeSink | None = None, clock: FakeClock | None = None) -> Recorder:
+    return Recorder(
+        job="job", attempt=2, node="node-a", rank=3, sink=sink or FakeSink(),
+        clock=clock or FakeClock(), heartbeat_s=0.5, pid=4242,
+    )
+
+
+def test_sequence_ids_count_per_group_and_events_carry_times() -> None:
+    sink, clock = FakeSink(), FakeClock()
+    rec = make(sink, clock)
+    for group in ["0", "1", "0", "0", "1"]:
+        token = rec.begin(group, "all_reduce", 64, "float32")
+        clock.tick(10)
+        rec.end(token, True)
+        clock.tick(5)
+    events = sink.of(CollectiveEvent)
+    assert [(e.group, e.seq) for e in events] == [("0", 1), ("1", 1), ("0", 2), ("0", 3), ("1", 2)]
+    first = events[0]
+    assert first == CollectiveEvent(
+        job="job", attempt=2, node="node-a", rank=3, group="0", seq=1, op="all_reduce",
+        nbytes=64, dtype="float32", peer=-1, state=CollectiveState.COMPLETED,
+        enqueue_us=1_000_000, complete_us=1_000_010,
+    )
+
+
+def test_heartbeat_reports_pending_op_steps_and_drops() -> None:
+    sink, clock = FakeSink(), FakeClock()
+    rec = make(sink, clock)
+    done = rec.begin("0", "broadcast", 4, "int64")
+    clock.tick(100)
+    rec.end(done, True)
+    clock.tick(100)
+    rec.begin("0", "all_reduce", 8, "float32")  # still in flight
+    optimizer = object()
+    rec.resume_from(40)
+    clock.tick(1000)
+    rec.optimizer_stepped(optimizer)
+    first_step_at = clock.now
+    clock.tick(1000)
+    rec.optimizer_stepped(optimizer)
+    rec.optimizer_stepped(object())  # a second optimizer does not count twice
+    clock.tick(7)
+    rec.heartbeat()
+    beat = sink.of(Heartbeat)[-1]
+    assert (beat.step, beat.start_step, beat.first_step_us, beat.step_us) == (
+        42, 40, first_step_at, first_step_at + 1000
+    )
+    assert (beat.time_us, beat.pid, beat.dropped, beat.rank) == (clock.now, 4242, 0, 3)
+    (progress,) = beat.groups
+    assert (progress.group, progress.last_enqueued, progress.last_completed) == ("0", 2, 1)
+    assert progress.pending_op == "all_reduce"
+    assert progress.last_complete_us == 1_000_100
+    assert progress.last_enqueue_us == 1_000_200
+
+
+def test_set_step_and_paused_steps() -> None:
+    sink = FakeSink()
+    rec = make(sink)
+    opt = object()
+    rec.optimizer_stepped(opt)
+    rec.set_step(10)
+    rec.optimizer_stepped(opt)
+    rec.pause_steps(True)
+    rec.optimizer_stepped(opt)
+    rec.pause_steps(False)
+    assert rec.step == 11
+
+
+def test_full_buffer_drops_and_counts() -> None:
+    sink = FakeSink(bound=3)
+    rec = make(sink)
+    for _ in range(5):
+        rec.end(rec.begin("0", "barrier", 0, ""), True)
+    assert len(sink.items) == 3
+    assert rec.dropped == 2
+    sink.bound = 10
+    rec.heartbeat()
+    assert sink.of(Heartbeat)[-1].dropped == 2
+
+
+def test_group_created_record() -> None:
+    sink, clock = FakeSink(), FakeClock()
+    rec = make(sink, clock)
+    rec.group_created("5", (0, 2), "gloo")
+    assert sink.of(ProcessGroupInfo) == [ProcessGroupInfo(
+        job="job", attempt=2, rank=3, group="5", ranks=(0, 2), backend="gloo", time_us=clock.now,
+    )]
+
+
+def test_close_sends_final_heartbeat_and_flushes_bounded() -> None:
+    sink = FakeSink()
+    rec = make(sink)
+    rec.close(timeout=1.5)
+    assert isinstance(sink.records()[-1], Heartbeat)
+    assert sink.flushed == [1.5]
+
+
+class BrokenSink(FakeSink):
+    def offer(self, item: Pending) -> bool:
+        raise RuntimeError("sink is broken")
+
+
+def test_sink_errors_are_swallowed_and_counted() -> None:
+    rec = make(BrokenSink())
+    rec.end(rec.begin("0", "all_reduce", 4, "float32"), True)
+    rec.heartbeat()
+    assert rec.errors == 2
+
+
+def test_polled_work_completes_from_poll() -> None:
+    sink = FakeSink()
+    rec = make(sink)
+
+    class Work:
+        done = False
+
+        def is_completed(self) -> bool:
+            return self.done
+
+        def exception(self) -> None:
+            return None
+
+    work = Work()
+    rec.poll_later(work, rec.begin("0:p2p:0-3", "isend", 4, "float32", 0))
+    rec.poll()
+    assert sink.of(CollectiveEvent) == []
+    work.done = True
+    rec.poll()
+    (event,) = sink.of(CollectiveEvent)
+    assert (event.op, event.peer, event.seq) == ("isend", 0, 1)
+
+
+# -- the wrappers --------------------------------------------------------------------------------
+
+
+class FakeGroup:
+    def __init__(self, name: str) -> None:
+        self.group_name = name
+
+
+NON_MEMBER = object()
+WORLD = FakeGroup("0")
+
+
+def fake_dist() -> Any:
+    c10d = types.SimpleNamespace(
+        GroupMember=types.SimpleNamespace(NON_GROUP_MEMBER=NON_MEMBER),
+        _get_default_group=lambda: WORLD,
+    )
+    return types.SimpleNamespace(distributed_c10d=c10d, get_global_rank=lambda pg, r: r + 10)
+
+
+class UserError(Exception):
+    pass
+
+
+def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    if tensor.numel() == 0:
+        raise UserError("empty")
+    return None
+
+
+def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    return None
+
+
+def installer(rec: Recorder) -> hooks._Installer:
+    return hooks._Installer(rec, fake_dist(), lambda: None)
+
+
+def test_wrapper_records_synchronous_ops_per_group() -> None:
+    sink = FakeSink()
+    rec = make(sink)
+    wrapped = installer(rec).wrap("all_reduce", all_reduce)
+    assert wrapped(torch.zeros(4)) is None
+    wrapped(torch.zeros(2, dtype=torch.float64), group=FakeGroup("7"))
+    wrapped(torch.zeros(1), None, FakeGroup("7"))
+    wrapped(torch.zeros(1), group=NON_MEMBER)  # not a member: nothing happens, nothing counted
+    events = sink.of(CollectiveEvent)
+    assert [(e.group, e.seq, e.nbytes, e.dtype) for e in events] == [
+        ("0", 1, 16, "float32"), ("7", 1, 16, "float64"), ("7", 2, 4, "float32"),
+    ]
+
+
+def test_wrapper_reraises_user_exceptions_unchanged() -> None:
+    sink = FakeSink()
+    rec = make(sink)
+    wrapped = installer(rec).wrap("all_reduce", all_reduce)
+    tensor = torch.zeros(0)
+    with pytest.raises(UserError) as caught:
+        wrapped(tensor)
+    assert str(caught.value) == "empty"
+    (event,) = sink.of(CollectiveEvent)
+    assert event.state is CollectiveState.FAILED
+    assert rec.errors == 0
+
+
+def test_recorder_errors_do_not_reach_the_caller() -> None:
+    sink = FakeSink()
+    rec = make(sink)
+
+    def broken_begin(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("recorder bug")
+
+    rec.begin = broken_begin  # type: ignore[method-assign]
+    calls: list[tuple[Any, ...]] = []
+
+    def original(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> str:
+        calls.append((tensor, op, group, async_op))
+        return "result"
+
+    wrapped = installer(rec).wrap("all_reduce", original)
+    assert wrapped("t", "sum", async_op=False) == "result"
+    assert calls == [("t", "sum", None, False)]
+    assert rec.errors == 1
+
+
+def test_point_to_point_counts_in_a_pair_group() -> None:
+    sink = FakeSink()
+    rec = make(sink)  # rank 3
+    inst = installer(rec)
+    wrapped = inst.wrap("send", send)
+    wrapped(torch.zeros(2), 1)
+    wrapped(torch.zeros(2), dst=5)
+    wrapped(torch.zeros(2), dst=1)
+    wrapped(torch.zeros(2), group_dst=2)  # global rank 12 via get_global_rank
+    events = sink.of(CollectiveEvent)
+    assert [(e.group, e.seq, e.peer) for e in events] == [
+        ("0:p2p:1-3", 1, 1), ("0:p2p:3-5", 1, 5), ("0:p2p:1-3", 2, 1), ("0:p2p:3-12", 1, 12),
+    ]
+    pairs = sink.of(ProcessGroupInfo)
+    assert next((g.group, g.ranks, g.backend) for g in pairs) == ("0:p2p:1-3", (1, 3), "p2p")
+
+
+def test_nested_wrapped_calls_count_once() -> None:
+    sink = FakeSink()
+    rec = make(sink)
+    inst = installer(rec)
+    inner = inst.wrap("all_reduce", all_reduce)
+
+    def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> None:
+        inner(torch.zeros(1))
+
+    inst.wrap("barrier", barrier)()
+    events = sink.of(CollectiveEvent)
+    assert [(e.op, e.seq) for e in events] == [("barrier", 1)]

@@ -1,0 +1,193 @@
+"""The node agent's spool and shipper against a sink that fails for a while, then recovers; and the
+agent's socket side fed by a real SocketTransport (in-process, no torch)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tracehound.agent.node import NodeAgent
+from tracehound.agent.recorder import Recorder
+from tracehound.agent.spool import Shipper, ShipResult, Spool
+from tracehound.agent.transport import SocketTransport
+from tracehound.tracing import wire
+from tracehound.tracing.errors import PermanentStoreError, TemporaryStoreError
+from tracehound.tracing.events import (
+    Batch,
+    CollectiveEvent,
+    CollectiveState,
+    Heartbeat,
+)
+
+
+def event(seq: int, rank: int = 0) -> CollectiveEvent:
+    return CollectiveEvent(
+        job="j", attempt=0, node="n", rank=rank, group="0", seq=seq, op="all_reduce", nbytes=4,
+        dtype="float32", peer=-1, state=CollectiveState.COMPLETED, enqueue_us=seq,
+        complete_us=seq + 1,
+    )
+
+
+def line(record: CollectiveEvent) -> bytes:
+    return json.dumps(wire.encode(record)).encode()
+
+
+class FlakySink:
+    """Fails the first `failures` sends (after storing the batch, on the `landed` ones, as a
+    store that wrote but could not answer would), then accepts."""
+
+    def __init__(self, failures: int = 0, *, landed: bool = False) -> None:
+        self.failures = failures
+        self.landed = landed
+        self.calls: list[tuple[str, bool]] = []
+        self.stored: dict[str, Batch] = {}
+
+    def send(self, batch: Batch, *, maybe_duplicate: bool) -> None:
+        self.calls.append((batch.batch_id, maybe_duplicate))
+        if self.failures > 0:
+            self.failures -= 1
+            if self.landed:
+                self.stored[batch.batch_id] = batch
+            raise TemporaryStoreError("store down", retry_after=0.0)
+        if batch.batch_id in self.stored and not maybe_duplicate:
+            raise AssertionError(f"batch {batch.batch_id} stored twice without maybe_duplicate")
+        self.stored[batch.batch_id] = batch
+
+    def records(self) -> list[object]:
+        return [r for b in self.stored.values() for r in b.records]
+
+
+def spool(path: Path, **kwargs: object) -> Spool:
+    return Spool(path, node="node-1", seal_interval_s=0.0, **kwargs)  # type: ignore[arg-type]
+
+
+def test_outage_loses_nothing_and_retries_are_marked(tmp_path: Path) -> None:
+    sp = spool(tmp_path)
+    sink = FlakySink(failures=3, landed=True)
+    shipper = Shipper(sp, sink, min_backoff_s=0.0)
+    for start in (1, 11, 21):
+        sp.append([line(event(s)) for s in range(start, start + 10)])
+        sp.maybe_seal(force=True)
+    results = [shipper.ship_once() for _ in range(8)]
+    assert results == [ShipResult.RETRY] * 3 + [ShipResult.SHIPPED] * 3 + [ShipResult.IDLE] * 2
+    ids = [bid for bid, _ in sink.calls]
+    first = ids[0]
+    assert ids[:4] == [first] * 4, "the same segment is retried with the same batch id"
+    assert [dup for _, dup in sink.calls] == [False, True, True, True, False, False]
+    assert first == f"node-1/{sp.spool_id}/1"
+    seqs = sorted(r.seq for r in sink.records())  # type: ignore[attr-defined]
+    assert seqs == list(range(1, 31))
+    assert sp.sealed() == []
+    assert sp.stats.shipped == 30 and sp.stats.retries == 3
+
+
+def test_restart_with_in_flight_marker_ships_as_maybe_duplicate(tmp_path: Path) -> None:
+    sp = spool(tmp_path)
+    sp.append([line(event(1)), line(event(2))])
+    sp.maybe_seal(force=True)
+    sp.append([line(event(3))])  # left open: the agent "crashes" here
+    number = sp.sealed()[0]
+    sp.mark_in_flight(number)  # it crashed while sending the first segment
+    batch_id = sp.batch_id(number)
+
+    again = spool(tmp_path)
+    assert again.spool_id == sp.spool_id
+    assert again.sealed() == [1, 2], "the open segment is sealed at startup"
+    sink = FlakySink()
+    shipper = Shipper(again, sink)
+    assert shipper.drain(5.0)
+    assert sink.calls == [(batch_id, True), (f"node-1/{sp.spool_id}/2", False)]
+    assert sorted(r.seq for r in sink.records()) == [1, 2, 3]  # type: ignore[attr-defined]
+    # A new segment after the restart gets a new number: batch ids never repeat.
+    again.append([line(event(4))])
+    again.maybe_seal(force=True)
+    assert again.sealed() == [3]
+
+
+def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    sp = spool(tmp_path)
+    sp.append([line(event(1)), line(event(2))[:20]])
+    sp.maybe_seal(force=True)
+    sink = FlakySink()
+    Shipper(sp, sink).drain(5.0)
+    assert [r.seq for r in sink.records()] == [1]  # type: ignore[attr-defined]
+    assert sp.stats.corrupt_lines == 1
+
+
+def test_refused_batch_is_set_aside(tmp_path: Path) -> None:
+    class Refusing:
+        def send(self, batch: Batch, *, maybe_duplicate: bool) -> None:
+            raise PermanentStoreError("bad batch")
+
+    sp = spool(tmp_path)
+    sp.append([line(event(1))])
+    sp.maybe_seal(force=True)
+    assert Shipper(sp, Refusing()).ship_once() is ShipResult.REFUSED
+    assert sp.sealed() == []
+    assert len(list((tmp_path / "rejected").iterdir())) == 1
+
+
+def test_segments_seal_by_count(tmp_path: Path) -> None:
+    sp = Spool(tmp_path, node="n", seal_records=3, seal_interval_s=3600)
+    sp.append([line(event(s)) for s in range(1, 4)])
+    sp.append([line(event(4))])
+    assert sp.sealed() == [1]
+    assert not sp.maybe_seal()
+    assert sp.maybe_seal(force=True)
+    assert sp.sealed() == [1, 2]
+
+
+def test_agent_receives_from_transport_rejects_bad_lines_and_ships(tmp_path: Path) -> None:
+    """A real SocketTransport started before the agent exists, reconnecting once it does."""
+    socket_path = str(tmp_path / "agent.sock")
+    transport = SocketTransport(socket_path, bound=100)
+    rec = Recorder(job="j", attempt=0, node="n", rank=1, sink=transport)
+    for _ in range(5):
+        rec.end(rec.begin("0", "all_reduce", 4, "float32"), True)
+    transport.start()
+    time.sleep(0.2)  # the agent is not there yet: records wait in the queue
+
+    sink = FlakySink(failures=2)
+    sp = Spool(tmp_path / "spool", node="n", seal_interval_s=0.05)
+    agent = NodeAgent(job="j", node="n", socket_path=socket_path, spool=sp, sink=sink,
+                      stats_file=str(tmp_path / "stats.json"), stats_interval_s=0.2)
+    agent.shipper.min_backoff_s = 0.01
+    agent.start()
+    try:
+        assert transport.flush(10.0)
+        import socket as socketlib
+
+        with socketlib.socket(socketlib.AF_UNIX) as raw:
+            raw.connect(socket_path)
+            raw.sendall(b'{"type":"collective"}\nnot json\n')
+        rec.heartbeat()
+        assert transport.flush(10.0)
+        deadline = time.monotonic() + 10
+        while len(sink.records()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        assert agent.stop(drain_s=5.0)
+    records = sink.records()
+    assert sorted(r.seq for r in records if isinstance(r, CollectiveEvent)) == [1, 2, 3, 4, 5]
+    assert sum(isinstance(r, Heartbeat) for r in records) == 1
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["rejected"] == 2 and stats["received"] == 6 and stats["shipped"] == 6
+    assert stats["pending_segments"] == 0
+
+
+@pytest.mark.parametrize("bound", [2])
+def test_transport_drops_beyond_its_bound(bound: int, tmp_path: Path) -> None:
+    transport = SocketTransport(str(tmp_path / "nobody.sock"), bound=bound)
+    rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=transport)
+    for _ in range(5):
+        rec.end(rec.begin("0", "barrier", 0, ""), True)
+    assert len(transport) == 2 and rec.dropped == 3
+    done = threading.Event()
+    transport.start()
+    assert not transport.flush(0.2)  # nobody listens: bounded wait, records kept
+    assert len(transport) == 2
+    done.set()
