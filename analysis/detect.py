@@ -155,8 +155,21 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     expected = set(snap.expected_ranks) | set(beats)
     never_reported = {r for r in expected if r not in beats and r not in exited}
 
-    # waits-for edges: a stalled rank waits on every member of its group that is behind it.
+    # waits-for edges: a rank inside a collective waits on every member of that group that has
+    # not entered it yet. Every pending rank contributes edges, not only those past the hang
+    # threshold: a rank that entered the stalled collective's predecessor a moment later than
+    # its peers waits there too, and the chain must run through it to the root.
     edges: dict[int, set[int]] = defaultdict(set)
+    for rank, hb in beats.items():
+        if rank in exited:
+            continue
+        for g in hb.groups:
+            if not g.pending_op:
+                continue
+            for member in members.get(g.group, set()):
+                progress = _progress(beats.get(member), g.group)
+                if (progress.last_enqueued if progress else 0) < g.last_enqueued:
+                    edges[rank].add(member)
     evidence: list[Evidence] = []
     lag_facts: dict[int, Evidence] = {}
     stalled_groups: dict[str, int] = {}
@@ -169,8 +182,6 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             reached = progress.last_enqueued if progress else 0
             if reached >= seq:
                 continue
-            for w in waiting:
-                edges[w].add(member)
             if member not in lag_facts:
                 where = "never reported" if member not in beats else f"last entered #{reached}"
                 lag_facts[member] = Evidence(
@@ -194,7 +205,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             )
         )
 
-    roots = _roots(edges)
+    roots = _roots(edges, {w.rank for w in stalled})
     silent_facts = [
         Evidence(
             fact=Fact.SILENT, rank=r, node=snap.node_of(r),
@@ -250,15 +261,19 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     )
 
 
-def _roots(edges: dict[int, set[int]]) -> set[int]:
-    """Ranks reachable over waits-for edges that wait on nobody; a cycle yields its members."""
-    targets: set[int] = set()
-    for outs in edges.values():
-        targets |= outs
-    roots = {t for t in targets if not edges.get(t)}
-    if roots or not targets:
-        return roots
-    return targets  # every suspect waits on another suspect: a cycle, name them all
+def _roots(edges: dict[int, set[int]], start: set[int]) -> set[int]:
+    """Ranks reachable from `start` over waits-for edges that wait on nobody; where the reachable
+    ranks only wait on each other (a cycle), all of them."""
+    reached: set[int] = set()
+    frontier = [t for s in start for t in edges.get(s, ())]
+    while frontier:
+        rank = frontier.pop()
+        if rank in reached:
+            continue
+        reached.add(rank)
+        frontier.extend(edges.get(rank, ()))
+    roots = {r for r in reached if not edges.get(r)}
+    return roots or reached
 
 
 def diagnose(snap: JobSnapshot, settings: DetectionSettings | None = None) -> Verdict | None:

@@ -22,6 +22,16 @@ class Basis(enum.StrEnum):
     """The culprits stopped reporting while their peers wait on them."""
     UNLOCALIZED = "unlocalized"
     """A stall was seen but no rank stands out; the whole group is named."""
+    MAJORITY_VOTE = "majority_vote"
+    """The culprits differ from the majority of their group (op, size, dtype, stack)."""
+    ARRIVAL_LATENESS = "arrival_lateness"
+    """The culprits arrive last at collectives, consistently, while the others wait."""
+    LINK_LATENCY = "link_latency"
+    """Transfers over the culprit link take longer than over comparable links."""
+    HEALTH_CORRELATION = "health_correlation"
+    """A device health event on the culprit node coincides with the anomaly."""
+    OUTLIER_MODEL = "outlier_model"
+    """A model over per-node features flags the node in consecutive windows."""
 
 
 class Fact(enum.StrEnum):
@@ -32,6 +42,12 @@ class Fact(enum.StrEnum):
     WAITING = "waiting"
     SILENT = "silent"
     MISSING = "missing"
+    DIFFERS = "differs"
+    LATE = "late"
+    SLOW_TRANSFER = "slow_transfer"
+    HEALTH = "health"
+    STACK = "stack"
+    OUTLIER = "outlier"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +75,7 @@ class Verdict:
     kind: IncidentKind
     culprit_ranks: tuple[int, ...]
     culprit_nodes: tuple[str, ...]
+    """Nodes of the culprit ranks; culprit_ranks[0] and culprit_nodes[0] are the most likely."""
     confidence: float
     """0..1: how sure the analysis is that the culprits are right."""
     basis: Basis
@@ -66,6 +83,10 @@ class Verdict:
     evidence: tuple[Evidence, ...]
     observed_at_us: int
     """The time the snapshot was taken (the analysis' notion of now)."""
+    culprit_link: tuple[int, int] | None = None
+    """For a slow link: the two ranks (sender, receiver) at its ends."""
+    group: str = ""
+    """The process group the fault was localized in, where there is one."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,6 +95,7 @@ class Verdict:
         data["basis"] = self.basis.value
         data["culprit_ranks"] = list(self.culprit_ranks)
         data["culprit_nodes"] = list(self.culprit_nodes)
+        data["culprit_link"] = list(self.culprit_link) if self.culprit_link else None
         data["evidence"] = [{**asdict(e), "fact": e.fact.value} for e in self.evidence]
         return data
 

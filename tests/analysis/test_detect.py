@@ -175,3 +175,20 @@ def test_verdict_serializes_to_json_with_evidence() -> None:
     assert data["culprit_ranks"] == [3]
     assert data["evidence"][0]["fact"] == "exit"
     assert data["schema_version"] == 1
+
+
+def test_a_peer_still_inside_the_previous_collective_is_not_blamed() -> None:
+    # Recorded from a real SIGSTOP of rank 1: ranks 2 and 3 got through #91 and wait in #92;
+    # rank 0 still waits in #91 (just under the threshold) because rank 1 never entered it.
+    stop = T0 + 50 * S
+    now = stop + 6 * S
+    beats = [
+        beat(0, now - S // 2, progress("0", 91, 90, enq_us=now - S // 2 - 4_990_000)),
+        beat(1, stop, progress("0", 88, 88, enq_us=stop - S // 100)),
+        beat(2, now - S // 3, progress("0", 92, 91, enq_us=now - S // 3 - 5_260_000)),
+        beat(3, now - S // 3, progress("0", 92, 91, enq_us=now - S // 3 - 5_150_000)),
+    ]
+    verdict = detect_hang(snap(now, beats), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_ranks == (1,)
+    assert verdict.basis is Basis.CONTROL_DEPENDENCY
