@@ -2,8 +2,11 @@
 
 An adapter (`clickhouse_server`, `clickhouse_embedded`) subclasses `SqlTraceStore` and supplies
 two things: run one query with bound parameters and return its rows, and write columns into one
-table in one insert. Everything else lives here, so both adapters run the same SQL and keep the
-same semantics, which the one contract suite checks against both.
+table in one insert (optionally a faster insert of numpy columns, for bulk collective rows).
+Everything else lives here, so both adapters run the same SQL and keep the same semantics, which
+the one contract suite checks against both. The window summaries (`rank_stats`, `link_stats`,
+`disagreements`, `node_windows`) are computed by the SQL here, per the definitions in
+`tracing.summaries`, so only per-rank, per-link or per-node rows come back.
 
 SQL texts are written once with `{name:Type}` placeholders; an adapter translates the placeholder
 *syntax* for its client (never the values). This module must never format a value into SQL: the
@@ -20,6 +23,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
+import numpy as np
+import numpy.typing as npt
+
+from tracehound.tracing import summaries
 from tracehound.tracing.events import (
     Action,
     ActionKind,
@@ -27,25 +34,37 @@ from tracehound.tracing.events import (
     CollectiveEvent,
     CollectiveState,
     GroupProgress,
+    HealthSample,
+    HealthSeverity,
     Heartbeat,
     Incident,
     ProcessGroupInfo,
     RankExit,
+    StackSample,
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.schema import (
     ACTIONS,
     COLLECTIVES,
+    HEALTH,
     HEARTBEATS,
     INCIDENTS,
     PROCESS_GROUPS,
     RANK_EXITS,
     RECORD_TABLES,
+    STACKS,
     Table,
     check_identifier,
     create_statements,
 )
 from tracehound.tracing.store import CollectiveKey, InsertReport
+from tracehound.tracing.summaries import (
+    CollectiveColumns,
+    Disagreement,
+    LinkStats,
+    NodeWindows,
+    RankStats,
+)
 
 Param = str | int | float
 Params = Mapping[str, Param]
@@ -90,6 +109,17 @@ def _exit_row(batch_id: str, r: RankExit) -> tuple[Any, ...]:
     return (batch_id, r.job, r.attempt, r.node, r.rank, r.pid, r.exit_code, r.time_us)
 
 
+def _health_row(batch_id: str, r: HealthSample) -> tuple[Any, ...]:
+    return (
+        batch_id, r.job, r.node, r.device, r.time_us, r.source, r.metric, float(r.value),
+        r.severity.value, r.detail,
+    )
+
+
+def _stack_row(batch_id: str, r: StackSample) -> tuple[Any, ...]:
+    return (batch_id, r.job, r.attempt, r.node, r.rank, r.time_us, list(r.frames))
+
+
 def _incident_row(i: Incident) -> tuple[Any, ...]:
     return (
         i.job, i.incident_id, i.attempt, i.detected_at_us, i.kind, list(i.culprit_ranks),
@@ -106,6 +136,8 @@ _RECORD_TABLE: dict[type, tuple[Table, Callable[[str, Any], tuple[Any, ...]]]] =
     Heartbeat: (HEARTBEATS, _heartbeat_row),
     ProcessGroupInfo: (PROCESS_GROUPS, _group_row),
     RankExit: (RANK_EXITS, _exit_row),
+    HealthSample: (HEALTH, _health_row),
+    StackSample: (STACKS, _stack_row),
 }
 
 
@@ -161,6 +193,20 @@ def collective_from_row(r: Row) -> CollectiveEvent:
         group=GroupId(r[4]), seq=int(r[5]), op=r[6], nbytes=int(r[7]), dtype=r[8],
         peer=int(r[9]), state=CollectiveState(r[10]), enqueue_us=int(r[11]),
         complete_us=int(r[12]),
+    )
+
+
+def _health(r: Row) -> HealthSample:
+    return HealthSample(
+        job=JobId(r[0]), node=NodeId(r[1]), device=r[2], time_us=int(r[3]), source=r[4],
+        metric=r[5], value=float(r[6]), severity=HealthSeverity(r[7]), detail=r[8],
+    )
+
+
+def _stack(r: Row) -> StackSample:
+    return StackSample(
+        job=JobId(r[0]), attempt=int(r[1]), node=NodeId(r[2]), rank=Rank(int(r[3])),
+        time_us=int(r[4]), frames=tuple(r[5]),
     )
 
 
@@ -224,6 +270,7 @@ SELECT DISTINCT attempt FROM (
     UNION ALL SELECT DISTINCT attempt FROM {db}.heartbeats WHERE job = {job:String}
     UNION ALL SELECT DISTINCT attempt FROM {db}.process_groups WHERE job = {job:String}
     UNION ALL SELECT DISTINCT attempt FROM {db}.rank_exits WHERE job = {job:String}
+    UNION ALL SELECT DISTINCT attempt FROM {db}.stacks WHERE job = {job:String}
 )
 ORDER BY attempt
 """
@@ -234,6 +281,8 @@ SELECT DISTINCT job FROM (
     UNION ALL SELECT DISTINCT job FROM {db}.heartbeats
     UNION ALL SELECT DISTINCT job FROM {db}.process_groups
     UNION ALL SELECT DISTINCT job FROM {db}.rank_exits
+    UNION ALL SELECT DISTINCT job FROM {db}.stacks
+    UNION ALL SELECT DISTINCT job FROM {db}.health WHERE job != ''
     UNION ALL SELECT DISTINCT job FROM {db}.incidents
     UNION ALL SELECT DISTINCT job FROM {db}.actions
 )
@@ -267,6 +316,116 @@ FROM {db}.actions
 SQL_ACTIONS_ALL = _SELECT_ACTIONS + "ORDER BY time_us"
 SQL_ACTIONS_OF_JOB = _SELECT_ACTIONS + "WHERE job = {job:String} ORDER BY time_us"
 
+SQL_LATEST_STACKS = """
+SELECT job, attempt, node, rank, time_us, frames
+FROM {db}.stacks
+WHERE job = {job:String} AND attempt = {attempt:UInt32} AND time_us >= {since_us:UInt64}
+ORDER BY rank, time_us DESC
+LIMIT 1 BY rank
+"""
+
+# `{nodes}` becomes one `{node_<i>:String}` placeholder per node asked about.
+SQL_HEALTH = """
+SELECT job, node, device, time_us, source, metric, value, severity, detail
+FROM {db}.health
+WHERE node IN ({nodes}) AND time_us >= {start_us:UInt64} AND time_us < {end_us:UInt64}
+ORDER BY time_us, node, device, metric, source, job
+"""
+
+# --- window summaries (definitions: tracing/summaries.py) ---
+# Each reads one job/attempt window [start_us, end_us) without FINAL: the exactly-once insert
+# path keeps a row from being stored twice. Differences of times are taken as Int64 so they never
+# wrap. RANK_STATS and NODE_WINDOWS share one subquery: per (group, seq) of the collective rows
+# that count (completed, not p2p, members >= 2), the first and last arrival and the members' rows
+# as parallel arrays, which ARRAY JOIN turns back into rows (no self-join needed).
+
+SQL_RANK_STATS = """
+SELECT rank, count() AS n, avg(toInt64(enqueue) - toInt64(first_us)) AS lateness_mean_us,
+       countIf(enqueue = last_us) AS last_count,
+       avg(toInt64(complete) - toInt64(enqueue)) AS wait_mean_us
+FROM (
+    SELECT min(enqueue_us) AS first_us, max(enqueue_us) AS last_us, groupArray(rank) AS ranks,
+           groupArray(enqueue_us) AS enqueues, groupArray(complete_us) AS completes
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND state = {completed:String} AND position(group_id, {p2p:String}) = 0
+    GROUP BY group_id, seq
+    HAVING count() >= 2
+)
+ARRAY JOIN ranks AS rank, enqueues AS enqueue, completes AS complete
+GROUP BY rank
+ORDER BY rank
+"""
+
+SQL_NODE_WINDOWS = """
+SELECT intDiv(toInt64(enqueue) - {origin_us:Int64}, {window_us:Int64}) AS bucket, node,
+       avg(toInt64(enqueue) - toInt64(first_us)) AS lateness_mean_us,
+       countIf(enqueue = last_us) / count() AS last_fraction,
+       avg(toInt64(complete) - toInt64(enqueue)) AS wait_mean_us
+FROM (
+    SELECT min(enqueue_us) AS first_us, max(enqueue_us) AS last_us, groupArray(node) AS nodes,
+           groupArray(enqueue_us) AS enqueues, groupArray(complete_us) AS completes
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND state = {completed:String} AND position(group_id, {p2p:String}) = 0
+    GROUP BY group_id, seq
+    HAVING count() >= 2
+)
+ARRAY JOIN nodes AS node, enqueues AS enqueue, completes AS complete
+GROUP BY bucket, node
+ORDER BY bucket, node
+"""
+
+SQL_LINK_STATS = """
+SELECT src, dst, count() AS n, avg(transfer_us) AS transfer_mean_us,
+       max(transfer_us) AS transfer_max_us
+FROM (
+    SELECT anyIf(rank, op IN ({send_op:String}, {isend_op:String})) AS src,
+           anyIf(rank, op IN ({recv_op:String}, {irecv_op:String})) AS dst,
+           toInt64(max(complete_us)) - toInt64(max(enqueue_us)) AS transfer_us
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND position(group_id, {p2p:String}) > 0
+      AND op IN ({send_op:String}, {isend_op:String}, {recv_op:String}, {irecv_op:String})
+    GROUP BY group_id, seq
+    HAVING count() = 2 AND countIf(op IN ({send_op:String}, {isend_op:String})) = 1
+       AND countIf(state = {completed:String}) = 2
+)
+GROUP BY src, dst
+ORDER BY src, dst
+"""
+
+SQL_DISAGREEMENTS = """
+SELECT group_id, seq, arraySort(groupArray(rank)) AS ranks,
+       arraySort((x, r) -> r, groupArray(op), groupArray(rank)) AS ops,
+       arraySort((x, r) -> r, groupArray(nbytes), groupArray(rank)) AS sizes,
+       arraySort((x, r) -> r, groupArray(dtype), groupArray(rank)) AS dtypes
+FROM {db}.collectives
+WHERE job = {job:String} AND attempt = {attempt:UInt32}
+  AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+  AND position(group_id, {p2p:String}) = 0
+GROUP BY group_id, seq
+HAVING uniqExact(op) > 1 OR uniqExact(nbytes) > 1 OR uniqExact(dtype) > 1
+ORDER BY group_id, seq
+LIMIT {limit:UInt64}
+"""
+
+SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGREEMENTS)
+"""The window summary texts (the schema tests check them for the portable subset)."""
+
+_SUMMARY_CONSTANTS: dict[str, Param] = {
+    "p2p": summaries.P2P_MARK,
+    "completed": CollectiveState.COMPLETED.value,
+    "send_op": summaries.SEND_OPS[0],
+    "isend_op": summaries.SEND_OPS[1],
+    "recv_op": summaries.RECV_OPS[0],
+    "irecv_op": summaries.RECV_OPS[1],
+}
+"""The fixed values the summary queries compare with, bound like any other value."""
+
 SQL_BATCH_COUNT = "SELECT count() FROM {db}.{table} WHERE batch_id = {batch_id:String}"
 SQL_BATCH_KEYS = "SELECT {key} FROM {db}.{table} WHERE batch_id = {batch_id:String}"
 
@@ -277,6 +436,8 @@ READ_QUERIES: dict[str, tuple[Table, str]] = {
     "collectives": (COLLECTIVES, SQL_COLLECTIVES),
     "incidents": (INCIDENTS, SQL_INCIDENTS_ALL),
     "actions": (ACTIONS, SQL_ACTIONS_ALL),
+    "latest_stacks": (STACKS, SQL_LATEST_STACKS),
+    "health": (HEALTH, SQL_HEALTH),
 }
 """The queries that read whole records back, with their table (checked against the schema)."""
 
@@ -310,6 +471,11 @@ class SqlTraceStore(abc.ABC):
     @abc.abstractmethod
     def _insert(self, table: Table, columns: list[list[Any]]) -> None:
         """Write `columns` (one list per column of `table.columns`, in order) in ONE insert."""
+
+    def _insert_arrays(self, table: Table, columns: Sequence[npt.NDArray[Any]]) -> None:
+        """Write 1-d numpy `columns` (in `table.columns` order) in ONE insert. The default goes
+        through `_insert`; an adapter may override it with a faster columnar path."""
+        self._insert(table, [column.tolist() for column in columns])
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -399,6 +565,129 @@ class SqlTraceStore(abc.ABC):
         the TraceStore port; used by tests and tools that read raw rows)."""
         rows = self._query(self._sql(SQL_COLLECTIVES), {"job": job, "attempt": attempt})
         return [collective_from_row(r) for r in rows]
+
+    def insert_columns(
+        self,
+        job: JobId,
+        attempt: int,
+        cols: CollectiveColumns,
+        node_of_rank: Mapping[int, str],
+        *,
+        batch_id: str,
+    ) -> int:
+        """Write collective rows given as columns in one INSERT (no retry check: see the
+        TraceStore docstring for atomicity); returns the number of rows written."""
+        n = len(cols)
+        for name in ("group", "seq", "op", "nbytes", "dtype", "peer", "completed",
+                     "enqueue_us", "complete_us"):
+            if getattr(cols, name).shape != (n,):
+                raise ValueError(f"column {name!r} has shape {getattr(cols, name).shape}, "
+                                 f"expected ({n},) like 'rank'")
+        if n == 0:
+            return 0
+        for name in ("rank", "seq", "nbytes", "enqueue_us", "complete_us"):
+            if int(getattr(cols, name).min()) < 0:
+                raise ValueError(f"column {name!r} holds negative values")
+        ranks, code = np.unique(cols.rank, return_inverse=True)
+        missing = [int(r) for r in ranks if int(r) not in node_of_rank]
+        if missing:
+            raise ValueError(f"node_of_rank has no node for ranks {missing[:10]}")
+        nodes = np.array([node_of_rank[int(r)] for r in ranks], dtype=np.str_)
+        state = np.where(
+            cols.completed, CollectiveState.COMPLETED.value, CollectiveState.FAILED.value
+        )
+        columns = [
+            np.full(n, np.str_(batch_id)), np.full(n, np.str_(job)),
+            np.full(n, attempt, dtype=np.int64), nodes[code.reshape(-1)], cols.rank, cols.group,
+            cols.seq, cols.op, cols.nbytes, cols.dtype, cols.peer, state, cols.enqueue_us,
+            cols.complete_us,
+        ]
+        self._insert_arrays(COLLECTIVES, columns)
+        return n
+
+    def _window_params(
+        self, job: JobId, attempt: int, start_us: int, end_us: int
+    ) -> dict[str, Param] | None:
+        """The bound values of a summary query's window, or None when the window is empty."""
+        start = max(start_us, 0)
+        if end_us <= start:
+            return None
+        return {**_SUMMARY_CONSTANTS, "job": job, "attempt": attempt, "start_us": start,
+                "end_us": end_us}
+
+    def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> RankStats:
+        params = self._window_params(job, attempt, start_us, end_us)
+        rows = self._query(self._sql(SQL_RANK_STATS), params) if params else []
+        rank, n, lateness, last, wait = columns_of(rows, 5)
+        return RankStats(
+            rank=np.array(rank, dtype=np.int64), n=np.array(n, dtype=np.int64),
+            lateness_mean_us=np.array(lateness, dtype=np.float64),
+            last_count=np.array(last, dtype=np.int64),
+            wait_mean_us=np.array(wait, dtype=np.float64),
+        )
+
+    def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> LinkStats:
+        params = self._window_params(job, attempt, start_us, end_us)
+        rows = self._query(self._sql(SQL_LINK_STATS), params) if params else []
+        src, dst, n, mean, most = columns_of(rows, 5)
+        return LinkStats(
+            src=np.array(src, dtype=np.int64), dst=np.array(dst, dtype=np.int64),
+            n=np.array(n, dtype=np.int64), transfer_mean_us=np.array(mean, dtype=np.float64),
+            transfer_max_us=np.array(most, dtype=np.float64),
+        )
+
+    def disagreements(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, limit: int = 100
+    ) -> list[Disagreement]:
+        params = self._window_params(job, attempt, start_us, end_us)
+        if params is None or limit <= 0:
+            return []
+        rows = self._query(self._sql(SQL_DISAGREEMENTS), {**params, "limit": limit})
+        return [
+            Disagreement(
+                group=g, seq=int(seq), ranks=tuple(int(r) for r in ranks), ops=tuple(ops),
+                nbytes=tuple(int(b) for b in sizes), dtypes=tuple(dtypes),
+            )
+            for g, seq, ranks, ops, sizes, dtypes in rows
+        ]
+
+    def node_windows(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, window_us: int
+    ) -> NodeWindows:
+        buckets = summaries.bucket_count(start_us, end_us, window_us)
+        params = self._window_params(job, attempt, start_us, end_us)
+        rows: list[Row] = []
+        if params is not None:
+            params.update(origin_us=start_us, window_us=window_us)
+            rows = self._query(self._sql(SQL_NODE_WINDOWS), params)
+        nodes = sorted({str(r[1]) for r in rows})
+        column = {node: i for i, node in enumerate(nodes)}
+        features = np.full((buckets, len(nodes), len(NodeWindows.FEATURES)), np.nan)
+        for bucket, node, lateness, last_fraction, wait in rows:
+            features[int(bucket), column[node]] = (lateness, last_fraction, wait)
+        return NodeWindows(
+            nodes=tuple(nodes),
+            window_start_us=start_us + np.arange(buckets, dtype=np.int64) * window_us,
+            features=features,
+        )
+
+    def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:
+        rows = self._query(
+            self._sql(SQL_LATEST_STACKS),
+            {"job": job, "attempt": attempt, "since_us": max(since_us, 0)},
+        )
+        return [_stack(r) for r in rows]
+
+    def health(self, nodes: Sequence[str], start_us: int, end_us: int) -> list[HealthSample]:
+        wanted = sorted(set(nodes))
+        start = max(start_us, 0)
+        if not wanted or end_us <= start:
+            return []
+        params: dict[str, Param] = {"start_us": start, "end_us": end_us}
+        params.update({f"node_{i}": node for i, node in enumerate(wanted)})
+        placeholders = ", ".join(f"{{node_{i}:String}}" for i in range(len(wanted)))
+        rows = self._query(self._sql(SQL_HEALTH, nodes=placeholders), params)
+        return [_health(r) for r in rows]
 
     def record_incident(self, incident: Incident) -> None:
         self._insert(INCIDENTS, columns_of([_incident_row(incident)], len(INCIDENTS.columns)))

@@ -121,7 +121,62 @@ class IncidentKind(enum.StrEnum):
     """What went wrong. Later analyses add kinds; stored values never change meaning."""
 
     HANG = "hang"
+    """Ranks wait in a collective that others never reach (or never finish)."""
     CRASH = "crash"
+    """A rank's process ended with a failure."""
+    MISMATCH = "mismatch"
+    """The ranks of a group disagree on the op, size, dtype or order of a collective."""
+    STRAGGLER = "straggler"
+    """A rank computes slower than its peers and keeps them waiting at every collective."""
+    SLOW_LINK = "slow_link"
+    """Transfers between two ranks (or to one node) are slower than between the others."""
+    HARDWARE = "hardware"
+    """A device's own health report coincides in time and place with the anomaly."""
+    SILENT_HANG = "silent_hang"
+    """No progress, or collapsed progress, that collective traces alone do not localize; the
+    ranks' stack traces single out the culprits."""
+    NODE_OUTLIER = "node_outlier"
+    """A machine stays an outlier among similar machines over consecutive windows."""
+
+
+class HealthSeverity(enum.StrEnum):
+    """How bad a health sample is. INFO samples are plain metrics (temperature, clocks)."""
+
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HealthSample:
+    """A device or host health reading or event (NVML, the host, or a simulator)."""
+
+    job: JobId
+    """The job running on the node at the time ("" when the reading is node-wide)."""
+    node: NodeId
+    device: str
+    """`gpu0`, `nic1`, `host`, ..."""
+    time_us: int
+    source: str
+    """`nvml`, `host`, `simulated`, ..."""
+    metric: str
+    """`xid`, `ecc_uncorrectable`, `remapped_rows`, `temperature_c`, `sm_clock_mhz`, `power_w`,
+    `nvlink_errors`, `pcie_replays`, `nic_errors`, `throttle`, ..."""
+    value: float
+    severity: HealthSeverity
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StackSample:
+    """One rank's Python stack at one moment, outermost frame first (`file:line function`)."""
+
+    job: JobId
+    attempt: int
+    node: NodeId
+    rank: Rank
+    time_us: int
+    frames: tuple[str, ...]
 
 
 class ActionKind(enum.StrEnum):
@@ -131,6 +186,8 @@ class ActionKind(enum.StrEnum):
     STOP_JOB = "stop_job"
     RESTART = "restart"
     GIVE_UP = "give_up"
+    OBSERVE = "observe"
+    """A soft fault was recorded; the controller acts if it is seen again."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,7 +225,7 @@ class Incident:
     """Filled in when read back from a store; ignored when recorded."""
 
 
-Record = CollectiveEvent | Heartbeat | ProcessGroupInfo | RankExit
+Record = CollectiveEvent | Heartbeat | ProcessGroupInfo | RankExit | HealthSample | StackSample
 """What a batch carries from the ranks to the store."""
 
 

@@ -130,6 +130,29 @@ RANK_EXITS = Table(
     key=("job", "attempt", "rank", "pid", "time_us"),
 )
 
+HEALTH = Table(
+    name="health",
+    columns=_cols(
+        "batch_id String, job String, node String, device String, time_us UInt64, source String,"
+        " metric String, value Float64, severity String, detail String"
+    ),
+    time_column="time_us",
+    # Read by node and time, whatever the job (a node-wide reading has job "").
+    order_by=("node", "time_us", "device", "metric"),
+    key=("job", "node", "device", "time_us", "source", "metric"),
+)
+
+STACKS = Table(
+    name="stacks",
+    columns=_cols(
+        "batch_id String, job String, attempt UInt32, node String, rank UInt32, time_us UInt64,"
+        " frames Array(String)"
+    ),
+    time_column="time_us",
+    order_by=("job", "attempt", "rank", "time_us"),
+    key=("job", "attempt", "rank", "time_us"),
+)
+
 INCIDENTS = Table(
     name="incidents",
     columns=_cols(
@@ -151,7 +174,7 @@ ACTIONS = Table(
     order_by=("job", "incident_id", "time_us"),
 )
 
-RECORD_TABLES = (COLLECTIVES, HEARTBEATS, PROCESS_GROUPS, RANK_EXITS)
+RECORD_TABLES = (COLLECTIVES, HEARTBEATS, PROCESS_GROUPS, RANK_EXITS, HEALTH, STACKS)
 """Tables filled from batches; each has batch_id and a key."""
 
 TABLES = (*RECORD_TABLES, INCIDENTS, ACTIONS)

@@ -14,21 +14,32 @@ Adapters import their client libraries lazily, so importing this module costs no
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import unquote, urlsplit
 
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.events import (
     Action,
     Batch,
+    HealthSample,
     Heartbeat,
     Incident,
     ProcessGroupInfo,
     RankExit,
+    StackSample,
 )
 from tracehound.tracing.ids import JobId
+
+if TYPE_CHECKING:  # numpy is imported by the adapters, not by the port
+    from tracehound.tracing.summaries import (
+        CollectiveColumns,
+        Disagreement,
+        LinkStats,
+        NodeWindows,
+        RankStats,
+    )
 
 DEFAULT_STORE_DIR = ".tracehound/store"
 """Where the embedded store lives when no URL is given (relative to the working directory)."""
@@ -95,6 +106,56 @@ class TraceStore(Protocol):
     def collective_keys(self, job: JobId) -> list[CollectiveKey]:
         """Every stored collective row's key, duplicates included (used to prove no loss and no
         double storage)."""
+        ...
+
+    def insert_columns(
+        self,
+        job: JobId,
+        attempt: int,
+        cols: CollectiveColumns,
+        node_of_rank: Mapping[int, str],
+        *,
+        batch_id: str,
+    ) -> int:
+        """Write collective rows given as columns (the simulator's bulk path) in ONE insert and
+        return how many were written; each row's node is `node_of_rank[rank]`.
+
+        No retry check is made (unlike `insert(maybe_duplicate=True)`): call it once per
+        `batch_id`. ClickHouse writes an insert block by block (up to 1,048,576 rows each, its
+        `max_insert_block_size`), so a call of up to that many rows is all-or-nothing and a larger
+        one that fails may have stored a prefix (its rows carry `batch_id`). Raises ValueError
+        for columns of unequal length, negative counts or times, or a rank without a node."""
+        ...
+
+    def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> RankStats:
+        """Per-rank arrival statistics of the window [start_us, end_us), computed by the store
+        (definitions: `tracing.summaries`)."""
+        ...
+
+    def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> LinkStats:
+        """Per-(src, dst) point-to-point transfer statistics of the window."""
+        ...
+
+    def disagreements(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, limit: int = 100
+    ) -> list[Disagreement]:
+        """The first `limit` collectives of the window, by (group, seq), whose ranks disagree on
+        op, nbytes or dtype."""
+        ...
+
+    def node_windows(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, window_us: int
+    ) -> NodeWindows:
+        """Per-node arrival features in consecutive windows of `window_us` from `start_us`."""
+        ...
+
+    def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:
+        """The newest stack sample of every rank taken at or after `since_us`, ordered by rank."""
+        ...
+
+    def health(self, nodes: Sequence[str], start_us: int, end_us: int) -> list[HealthSample]:
+        """Health samples of `nodes` in [start_us, end_us), whatever job they name, oldest
+        first."""
         ...
 
     def record_incident(self, incident: Incident) -> None:

@@ -7,27 +7,38 @@ and what was expected, and the good records of the same batch are kept.
 
 from __future__ import annotations
 
+import enum
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, TypeVar
 
 from tracehound.tracing.events import (
     Batch,
     CollectiveEvent,
     CollectiveState,
     GroupProgress,
+    HealthSample,
+    HealthSeverity,
     Heartbeat,
     ProcessGroupInfo,
     RankExit,
     Record,
+    StackSample,
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 
-RecordType = Literal["collective", "heartbeat", "group", "exit"]
+RecordType = Literal["collective", "heartbeat", "group", "exit", "health", "stack"]
+RECORD_TYPES: tuple[RecordType, ...] = (
+    "collective", "heartbeat", "group", "exit", "health", "stack",
+)
+"""Every `type` a record may have on the wire."""
 
 _MAX_U64 = 2**64 - 1
 _MAX_I32 = 2**31 - 1
+
+_E = TypeVar("_E", bound=enum.StrEnum)
 
 
 class GroupProgressWire(TypedDict):
@@ -94,7 +105,32 @@ class ExitWire(TypedDict):
     time_us: int
 
 
-RecordWire = CollectiveWire | HeartbeatWire | GroupWire | ExitWire
+class HealthWire(TypedDict):
+    type: Literal["health"]
+    job: str
+    """May be empty: a node-wide reading."""
+    node: str
+    device: str
+    time_us: int
+    source: str
+    metric: str
+    value: float
+    """A finite number (JSON integers are accepted)."""
+    severity: str
+    detail: str
+
+
+class StackWire(TypedDict):
+    type: Literal["stack"]
+    job: str
+    attempt: int
+    node: str
+    rank: int
+    time_us: int
+    frames: list[str]
+
+
+RecordWire = CollectiveWire | HeartbeatWire | GroupWire | ExitWire | HealthWire | StackWire
 
 
 class BatchWire(TypedDict):
@@ -158,6 +194,17 @@ def encode(record: Record) -> RecordWire:
                 rank=record.rank, pid=record.pid, exit_code=record.exit_code,
                 time_us=record.time_us,
             )
+        case HealthSample():
+            return HealthWire(
+                type="health", job=record.job, node=record.node, device=record.device,
+                time_us=record.time_us, source=record.source, metric=record.metric,
+                value=float(record.value), severity=record.severity.value, detail=record.detail,
+            )
+        case StackSample():
+            return StackWire(
+                type="stack", job=record.job, attempt=record.attempt, node=record.node,
+                rank=record.rank, time_us=record.time_us, frames=list(record.frames),
+            )
 
 
 def encode_batch(batch: Batch) -> bytes:
@@ -192,6 +239,45 @@ def _str(raw: Mapping[str, Any], name: str, *, allow_empty: bool = False) -> str
     return value
 
 
+def _float(raw: Mapping[str, Any], name: str) -> float:
+    value = _field(raw, name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRecord(f"field {name!r} must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidRecord(f"field {name!r} must be a finite number, got {value!r}")
+    return number
+
+
+def _choice(raw: Mapping[str, Any], name: str, kind: type[_E]) -> _E:
+    text = _str(raw, name)
+    try:
+        return kind(text)
+    except ValueError:
+        accepted = ", ".join(e.value for e in kind)
+        raise InvalidRecord(f"field {name!r} must be one of {accepted}, got {text!r}") from None
+
+
+def _frames(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    frames = _field(raw, "frames")
+    if not isinstance(frames, list):
+        raise InvalidRecord("field 'frames' must be a list of strings")
+    out = []
+    for index, frame in enumerate(frames):
+        if not isinstance(frame, str):
+            raise InvalidRecord(
+                f"field 'frames' must be a list of strings: frames[{index}] is "
+                f"{type(frame).__name__}"
+            )
+        if len(frame) > 4096:
+            raise InvalidRecord(f"field 'frames': frames[{index}] is over 4096 characters")
+        out.append(frame)
+    return tuple(out)
+
+
 def _progress(raw: Any, index: int) -> GroupProgress:
     if not isinstance(raw, Mapping):
         raise InvalidRecord(f"groups[{index}] must be an object")
@@ -213,18 +299,24 @@ def decode(raw: Any) -> Record:
     if not isinstance(raw, Mapping):
         raise InvalidRecord(f"a record must be a JSON object, got {type(raw).__name__}")
     kind = raw.get("type")
+    if kind not in RECORD_TYPES:
+        raise InvalidRecord(
+            f"field 'type' must be one of {', '.join(RECORD_TYPES)}, got {kind!r}"
+        )
+    if kind == "health":
+        # Node-wide readings have no job, attempt or rank.
+        return HealthSample(
+            job=JobId(_str(raw, "job", allow_empty=True)), node=NodeId(_str(raw, "node")),
+            device=_str(raw, "device"), time_us=_int(raw, "time_us"),
+            source=_str(raw, "source"), metric=_str(raw, "metric"),
+            value=_float(raw, "value"), severity=_choice(raw, "severity", HealthSeverity),
+            detail=_str(raw, "detail", allow_empty=True),
+        )
     job = JobId(_str(raw, "job"))
     attempt = _int(raw, "attempt", hi=_MAX_I32)
     rank = Rank(_int(raw, "rank", hi=_MAX_I32))
     if kind == "collective":
-        state_text = _str(raw, "state")
-        try:
-            state = CollectiveState(state_text)
-        except ValueError:
-            accepted = ", ".join(s.value for s in CollectiveState)
-            raise InvalidRecord(
-                f"field 'state' must be one of {accepted}, got {state_text!r}"
-            ) from None
+        state = _choice(raw, "state", CollectiveState)
         return CollectiveEvent(
             job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
             group=GroupId(_str(raw, "group")), seq=_int(raw, "seq", lo=1), op=_str(raw, "op"),
@@ -262,8 +354,9 @@ def decode(raw: Any) -> Record:
             exit_code=_int(raw, "exit_code", lo=-_MAX_I32, hi=_MAX_I32),
             time_us=_int(raw, "time_us"),
         )
-    raise InvalidRecord(
-        f"field 'type' must be one of collective, heartbeat, group, exit, got {kind!r}"
+    return StackSample(
+        job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
+        time_us=_int(raw, "time_us"), frames=_frames(raw),
     )
 
 

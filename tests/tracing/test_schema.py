@@ -6,7 +6,14 @@ import re
 
 import pytest
 
-from tracehound.tracing._sqlstore import PLACEHOLDER, READ_QUERIES, read_columns, to_pyformat
+from tracehound.tracing._sqlstore import (
+    _SUMMARY_CONSTANTS,
+    PLACEHOLDER,
+    READ_QUERIES,
+    SUMMARY_QUERIES,
+    read_columns,
+    to_pyformat,
+)
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.schema import RECORD_TABLES, TABLES, check_identifier, create_statements
 
@@ -63,3 +70,14 @@ def test_identifiers_are_checked(bad: str) -> None:
         check_identifier(bad)
     with pytest.raises(StoreConfigError):
         create_statements(bad)
+
+
+@pytest.mark.parametrize("sql", SUMMARY_QUERIES, ids=["rank", "node_windows", "link", "disagree"])
+def test_summary_queries_keep_to_the_portable_subset_and_bind_every_value(sql: str) -> None:
+    for banned in (*NOT_ON_18_16, "WITH ", "FINAL", "{p:"):
+        assert banned not in sql
+    assert "'" not in sql  # no literal values: everything compared with is bound
+    names = {name for name, _ in PLACEHOLDER.findall(sql)}
+    window = {"job", "attempt", "start_us", "end_us", "origin_us", "window_us", "limit"}
+    assert names <= window | set(_SUMMARY_CONSTANTS)
+    assert {"job", "attempt", "start_us", "end_us"} <= names

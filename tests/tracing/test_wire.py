@@ -15,10 +15,13 @@ from tracehound.tracing.events import (
     CollectiveEvent,
     CollectiveState,
     GroupProgress,
+    HealthSample,
+    HealthSeverity,
     Heartbeat,
     ProcessGroupInfo,
     RankExit,
     Record,
+    StackSample,
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.wire import (
@@ -62,12 +65,23 @@ exits = st.builds(
     RankExit, job=jobs, attempt=I32, node=nodes, rank=ranks, pid=I32,
     exit_code=st.integers(min_value=-(2**31 - 1), max_value=2**31 - 1), time_us=U64,
 )
-records: st.SearchStrategy[Record] = st.one_of(collectives, heartbeats, group_infos, exits)
+health_samples = st.builds(
+    HealthSample, job=MAYBE_EMPTY.map(JobId), node=nodes, device=NAME, time_us=U64, source=NAME,
+    metric=NAME, value=st.floats(allow_nan=False, allow_infinity=False),
+    severity=st.sampled_from(HealthSeverity), detail=MAYBE_EMPTY,
+)
+stack_samples = st.builds(
+    StackSample, job=jobs, attempt=I32, node=nodes, rank=ranks, time_us=U64,
+    frames=st.lists(MAYBE_EMPTY, max_size=8).map(tuple),
+)
+records: st.SearchStrategy[Record] = st.one_of(
+    collectives, heartbeats, group_infos, exits, health_samples, stack_samples
+)
 
 
 @pytest.mark.parametrize(
-    "strategy", [collectives, heartbeats, group_infos, exits],
-    ids=["collective", "heartbeat", "group", "exit"],
+    "strategy", [collectives, heartbeats, group_infos, exits, health_samples, stack_samples],
+    ids=["collective", "heartbeat", "group", "exit", "health", "stack"],
 )
 @given(data=st.data())
 def test_every_record_type_round_trips_through_json(
@@ -93,6 +107,20 @@ def good_collective(seq: int = 1) -> dict[str, Any]:
     )))
 
 
+def good_health() -> dict[str, Any]:
+    return dict(encode(HealthSample(
+        job=JobId(""), node=NodeId("n"), device="gpu0", time_us=5, source="nvml", metric="xid",
+        value=79, severity=HealthSeverity.CRITICAL,
+    )))
+
+
+def good_stack() -> dict[str, Any]:
+    return dict(encode(StackSample(
+        job=JobId("j"), attempt=0, node=NodeId("n"), rank=Rank(1), time_us=5,
+        frames=("a.py:1 f", "b.py:2 g"),
+    )))
+
+
 def changed(raw: dict[str, Any], **fields: Any) -> dict[str, Any]:
     return {**raw, **fields}
 
@@ -115,6 +143,19 @@ def without(raw: dict[str, Any], name: str) -> dict[str, Any]:
         (changed(good_collective(), job=""), "field 'job' must not be empty"),
         (changed(good_collective(), complete_us=2**64), "field 'complete_us' must be between"),
         ("not an object", "a record must be a JSON object, got str"),
+        (changed(good_health(), value="hot"), "field 'value' must be a number, got str"),
+        (changed(good_health(), value=True), "field 'value' must be a number, got bool"),
+        (changed(good_health(), value=float("nan")), "field 'value' must be a finite number"),
+        (changed(good_health(), value=10**400), "field 'value' must be a finite number"),
+        (changed(good_health(), severity="fatal"),
+         "field 'severity' must be one of info, warning, critical, got 'fatal'"),
+        (without(good_health(), "metric"), "missing field 'metric'"),
+        (changed(good_health(), node=""), "field 'node' must not be empty"),
+        (changed(good_stack(), frames="a.py:1 f"), "field 'frames' must be a list of strings"),
+        (changed(good_stack(), frames=["ok", 3]), "frames[1] is int"),
+        (changed(good_stack(), frames=["x" * 4097]), "frames[0] is over 4096 characters"),
+        (changed(good_stack(), rank=-1), "field 'rank' must be between 0 and"),
+        (changed(good_stack(), job=""), "field 'job' must not be empty"),
     ],
 )
 def test_a_bad_record_is_rejected_naming_the_field_and_the_rest_kept(
@@ -126,6 +167,14 @@ def test_a_bad_record_is_rejected_naming_the_field_and_the_rest_kept(
     [rejection] = decoded.rejected
     assert rejection.index == 1
     assert reason in rejection.reason
+
+
+def test_a_node_wide_health_sample_needs_no_job_attempt_or_rank() -> None:
+    sample = decode(good_health())
+    assert isinstance(sample, HealthSample)
+    assert sample.job == ""
+    assert sample.value == 79.0
+    assert isinstance(sample.value, float)
 
 
 def test_bad_heartbeat_group_progress_names_its_position() -> None:
