@@ -9,25 +9,31 @@ invents a hang). Then, per process group, the ranks that never entered the colle
 wait in are the suspects; following waits-for edges across groups leads to the root: the rank
 that waits on nobody. A rank that stopped reporting while its peers wait is a suspect too.
 
+The waits-for graph is never built edge by edge: the ranks a pending collective (group, seq)
+waits on are computed once per (group, seq) and expanded once, so a hang of 10,000 ranks in
+groups of hundreds costs O(ranks x groups), not O(ranks x group size).
+
 Pure: no I/O, no clock; the snapshot carries the time.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from tracehound.analysis.common import group_members, rank_nodes
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
-from tracehound.tracing.events import GroupProgress, Heartbeat, IncidentKind, RankExit
+from tracehound.tracing.events import Heartbeat, IncidentKind, RankExit
 
 _US = 1_000_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DetectionSettings:
-    """Thresholds of the detectors."""
+    """Thresholds of the detectors. The defaults are tuned so that healthy timing noise (a few ms,
+    occasional spikes) never yields a verdict; see each detector's module for the reasoning."""
 
     hang_after_s: float = 5.0
     """A rank waiting this long inside one collective means the job hangs. Training steps take
@@ -36,6 +42,93 @@ class DetectionSettings:
     """A rank silent for this long (heartbeats arrive every 0.5 s by default) is not reporting."""
     crash_settle_s: float = 0.3
     """How long after the first failed exit to wait for earlier exits still in flight."""
+    max_evidence: int = 32
+    """At most this many evidence items of one fact per verdict (culprits' facts first), so a
+    verdict over 10,000 ranks stays readable and small."""
+
+    # mismatch (analysis.mismatch)
+    mismatch_size_exempt_ops: tuple[str, ...] = (
+        "gather", "scatter", "all_to_all", "all_to_all_single", "alltoall", "alltoall_base",
+        "all_gather_v", "reduce_scatter_v",
+    )
+    """Ops whose members legitimately pass different sizes (uneven splits, the root of a gather):
+    a size difference alone is no mismatch for them."""
+
+    # straggler (analysis.straggler)
+    straggler_min_collectives: int = 20
+    """A rank needs this many collectives in the window to be judged."""
+    straggler_min_last_z: float = 6.0
+    """How far (binomial z-score) a rank's count of last arrivals must exceed what the median
+    rank's rate predicts. Healthy ranks of 10,000 stay below 5."""
+    straggler_min_last_fraction: float = 0.5
+    """...and the fraction of its collectives it arrived last at must be at least this..."""
+    straggler_min_last_ratio: float = 2.0
+    """...and at least this multiple of the median rank's fraction."""
+    straggler_min_lateness_us: float = 500.0
+    """Its mean lateness must exceed the median rank's by this much (us), so that a quiet job's
+    jitter never counts..."""
+    straggler_min_slowdown: float = 0.1
+    """...and by this share of the median rank's time between collectives (its compute): a GPU
+    2-5% slower than its peers is last often too but costs little; one 20% slower is evicted."""
+    straggler_shadow_ratio: float = 0.7
+    """A candidate sharing a group with a stronger one (later on average, last more often) is its
+    shadow (it waited for the straggler in one group, then arrived late in the next) unless its
+    own last fraction is at least this share of the stronger one's."""
+
+    # slow link (analysis.links)
+    link_min_transfers: int = 3
+    """A link needs this many transfers in the window to be judged."""
+    link_min_comparable: int = 6
+    """Links are only compared within a class (intra-node, inter-node) holding this many."""
+    link_min_z: float = 6.0
+    """A slow link's mean transfer time is this many robust deviations above its class median..."""
+    link_min_ratio: float = 1.5
+    """...and at least this multiple of the median (its mean taken without its worst transfer;
+    two network hiccups among a dozen transfers still lift a healthy link to ~1.45x)."""
+    link_node_min_ratio: float = 1.25
+    """A node's links count as slow from this multiple on (with the same z-score): many links
+    together need less margin each than one."""
+    link_node_fraction: float = 0.75
+    """When at least this share of a node's links (and at least two) is slow, the node (its NIC)
+    is blamed rather than one link."""
+
+    # hardware (analysis.hardware)
+    health_slack_s: float = 30.0
+    """Health events this long before the window (or after it) still count as coinciding."""
+
+    # silent hang (analysis.stacks)
+    step_stall_factor: float = 10.0
+    """Throughput collapse: the median rank has not finished a step for this many typical step
+    times..."""
+    step_stall_min_s: float = 10.0
+    """...and for at least this long."""
+    stack_frames: int = 3
+    """Stacks are clustered by their innermost this many frames."""
+    stack_outlier_ratio: float = 4.0
+    """A stack cluster at most 1/this of the largest one is an outlier."""
+    stack_max_outlier_fraction: float = 0.2
+    """Outliers covering more of the ranks than this are no sure localization: the analysis then
+    names the first outlier's whole (smallest) group with low confidence."""
+    stack_min_dominant_fraction: float = 0.5
+    """...as it does when the largest cluster covers less than this share of the ranks."""
+
+    # machine-level outliers (analysis.outliers)
+    outlier_windows: int = 4
+    """The model looks at this many most recent windows..."""
+    outlier_min_flagged: int = 3
+    """...and flags a node only when it is an outlier in at least this many of them."""
+    outlier_z: float = 5.0
+    """In a flagged window the node's lateness and its last fraction are both this many robust
+    deviations above the median node's (the bad direction: a node that arrives early and waits
+    more is a healthy, faster node; one last more often but not later sits at a pipeline
+    boundary)..."""
+    outlier_lof: float = 1.5
+    """...and its local outlier factor (scikit-learn LocalOutlierFactor over the per-window
+    standardized features) is at least this."""
+    outlier_neighbors: int = 35
+    """LocalOutlierFactor's n_neighbors (fewer when there are fewer points)."""
+    outlier_min_nodes: int = 8
+    """Fewer nodes than this give no population to compare against."""
 
 
 def _sec(us: int) -> float:
@@ -50,6 +143,33 @@ def _describe_exit(exit_: RankExit) -> str:
     if exit_.exit_code < 0:
         return f"killed by signal {-exit_.exit_code}"
     return f"exited with code {exit_.exit_code}"
+
+
+def _last_collective(hb: Heartbeat, exit_: RankExit) -> Evidence | None:
+    """Where the rank was in its collectives when it last reported, from its last heartbeat."""
+    entered = [g for g in hb.groups if g.last_enqueued > 0]
+    if not entered:
+        return None
+    last = max(entered, key=lambda g: (g.last_enqueue_us, g.last_enqueued))
+    ago = _sec(exit_.time_us - hb.time_us)
+    if last.pending_op:
+        detail = (
+            f"rank {exit_.rank} on node {exit_.node} was inside {last.pending_op} "
+            f"#{last.last_enqueued} of group {last.group} when it last reported, {ago:.1f} s "
+            "before it exited"
+        )
+        fact = Fact.WAITING
+    else:
+        detail = (
+            f"rank {exit_.rank} on node {exit_.node} had completed collective "
+            f"#{last.last_completed} of group {last.group}, its last one, when it last "
+            f"reported, {ago:.1f} s before it exited"
+        )
+        fact = Fact.EXIT
+    return Evidence(
+        fact=fact, rank=exit_.rank, node=exit_.node, detail=detail, group=last.group,
+        seq=last.last_enqueued, value=ago,
+    )
 
 
 def detect_crash(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | None:
@@ -72,7 +192,7 @@ def detect_crash(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | No
         confidence = 0.95
     else:
         confidence = 0.8
-    evidence = tuple(
+    evidence = [
         Evidence(
             fact=Fact.EXIT,
             rank=e.rank,
@@ -83,19 +203,26 @@ def detect_crash(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | No
             ),
             value=float(e.exit_code),
         )
-        for e in failures
-    )
+        for e in failures[: settings.max_evidence]
+    ]
+    last_beat = next((hb for hb in snap.heartbeats if hb.rank == first.rank), None)
+    last = _last_collective(last_beat, first) if last_beat is not None else None
+    if last is not None:
+        evidence.append(last)
     ranks = tuple(sorted(e.rank for e in culprits))
     nodes = tuple(sorted({e.node for e in culprits}))
     others = len(failures) - len(culprits)
+    where = ""
+    if last is not None and last.fact is Fact.WAITING:
+        where = f" inside collective #{last.seq} of group {last.group}"
     summary = (
-        f"rank {first.rank} on node {first.node} {_describe_exit(first)} first"
+        f"rank {first.rank} on node {first.node} {_describe_exit(first)} first{where}"
         + (f"; {others} other rank(s) failed after it" if others else "")
     )
     return Verdict(
         job=snap.job, attempt=snap.attempt, kind=IncidentKind.CRASH, culprit_ranks=ranks,
         culprit_nodes=nodes, confidence=confidence, basis=Basis.EXIT_STATUS, summary=summary,
-        evidence=evidence, observed_at_us=snap.now_us,
+        evidence=tuple(evidence), observed_at_us=snap.now_us,
     )
 
 
@@ -108,30 +235,69 @@ class _Wait:
     waited_us: int
 
 
-def _members(snap: JobSnapshot, beats: dict[int, Heartbeat]) -> dict[str, set[int]]:
-    """Group -> global ranks, from group records and from who reports progress in it."""
-    members: dict[str, set[int]] = defaultdict(set)
-    for info in snap.groups:
-        members[info.group].update(info.ranks)
-    for hb in beats.values():
-        for g in hb.groups:
-            members[g.group].add(hb.rank)
-    return members
+class _WaitsFor:
+    """The waits-for graph of a snapshot, with edges computed per (group, seq) on demand.
 
+    A rank inside collective `seq` of `group` waits on every member of the group whose highest
+    entered sequence id is below `seq` (members that never reported count as 0)."""
 
-def _progress(hb: Heartbeat | None, group: str) -> GroupProgress | None:
-    if hb is None:
-        return None
-    for g in hb.groups:
-        if g.group == group:
-            return g
-    return None
+    def __init__(self, beats: Mapping[int, Heartbeat], exited: set[int],
+                 members: Mapping[str, frozenset[int]]) -> None:
+        self.reached: dict[tuple[int, str], int] = {}
+        self.pending: dict[int, list[tuple[str, int]]] = {}
+        for rank, hb in beats.items():
+            for g in hb.groups:
+                self.reached[(rank, g.group)] = g.last_enqueued
+                if g.pending_op and rank not in exited:
+                    self.pending.setdefault(rank, []).append((g.group, g.last_enqueued))
+        self._members = members
+        self._lag: dict[tuple[str, int], tuple[int, ...]] = {}
+
+    def entered(self, rank: int, group: str) -> int:
+        return self.reached.get((rank, group), 0)
+
+    def laggards(self, group: str, seq: int) -> tuple[int, ...]:
+        key = (group, seq)
+        found = self._lag.get(key)
+        if found is None:
+            found = tuple(
+                m for m in self._members.get(group, ()) if self.reached.get((m, group), 0) < seq
+            )
+            self._lag[key] = found
+        return found
+
+    def waits_on_someone(self, rank: int) -> bool:
+        return any(self.laggards(g, s) for g, s in self.pending.get(rank, ()))
+
+    def roots(self, start: Iterable[int]) -> set[int]:
+        """Ranks reachable from `start` that wait on nobody; where the reachable ranks only wait
+        on each other (a cycle), all of them."""
+        expanded: set[tuple[str, int]] = set()
+        reached: set[int] = set()
+        frontier: list[int] = []
+
+        def expand(rank: int) -> None:
+            for key in self.pending.get(rank, ()):
+                if key not in expanded:
+                    expanded.add(key)
+                    frontier.extend(self.laggards(*key))
+
+        for rank in start:
+            expand(rank)
+        while frontier:
+            rank = frontier.pop()
+            if rank in reached:
+                continue
+            reached.add(rank)
+            expand(rank)
+        roots = {r for r in reached if not self.waits_on_someone(r)}
+        return roots or reached
 
 
 def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | None:
     """A stall localized by control dependency (see the module docstring)."""
     beats: dict[int, Heartbeat] = {int(hb.rank): hb for hb in snap.heartbeats}
-    exited = {e.rank for e in snap.exits}
+    exited = {int(e.rank) for e in snap.exits}
     silent_after_us = snap.now_us - int(settings.heartbeat_timeout_s * _US)
     hang_us = int(settings.hang_after_s * _US)
 
@@ -148,7 +314,12 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     if not stalled:
         return None
 
-    members = _members(snap, beats)
+    nodes = rank_nodes(snap)
+
+    def node_of(rank: int) -> str:
+        return nodes.get(rank, "unknown")
+
+    members = group_members(snap)
     silent = {
         r for r, hb in beats.items() if r not in exited and hb.time_us < silent_after_us
     }
@@ -159,68 +330,39 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     # not entered it yet. Every pending rank contributes edges, not only those past the hang
     # threshold: a rank that entered the stalled collective's predecessor a moment later than
     # its peers waits there too, and the chain must run through it to the root.
-    edges: dict[int, set[int]] = defaultdict(set)
-    for rank, hb in beats.items():
-        if rank in exited:
-            continue
-        for g in hb.groups:
-            if not g.pending_op:
-                continue
-            for member in members.get(g.group, set()):
-                progress = _progress(beats.get(member), g.group)
-                if (progress.last_enqueued if progress else 0) < g.last_enqueued:
-                    edges[rank].add(member)
-    evidence: list[Evidence] = []
-    lag_facts: dict[int, Evidence] = {}
+    graph = _WaitsFor(beats, exited, members)
+    roots = graph.roots(w.rank for w in stalled)
+
     stalled_groups: dict[str, int] = {}
     for wait in stalled:
         stalled_groups[wait.group] = max(stalled_groups.get(wait.group, 0), wait.seq)
+    waiting_in = Counter(w.group for w in stalled)
+    lag_facts: dict[int, Evidence] = {}
     for group, seq in stalled_groups.items():
-        waiting = sorted(w.rank for w in stalled if w.group == group)
-        for member in sorted(members.get(group, set())):
-            progress = _progress(beats.get(member), group)
-            reached = progress.last_enqueued if progress else 0
-            if reached >= seq:
+        for member in graph.laggards(group, seq):
+            if member in lag_facts:
                 continue
-            if member not in lag_facts:
-                where = "never reported" if member not in beats else f"last entered #{reached}"
-                lag_facts[member] = Evidence(
-                    fact=Fact.LAGGING, rank=member, node=snap.node_of(member), group=group,
-                    seq=seq, value=float(seq - reached),
-                    detail=(
-                        f"rank {member} on node {snap.node_of(member)} never entered "
-                        f"collective #{seq} of group {group} ({where}); "
-                        f"{len(waiting)} rank(s) wait on it"
-                    ),
-                )
-    for wait in sorted(stalled, key=lambda w: -w.waited_us)[:8]:
-        evidence.append(
-            Evidence(
-                fact=Fact.WAITING, rank=wait.rank, node=snap.node_of(wait.rank),
-                group=wait.group, seq=wait.seq, value=_sec(wait.waited_us),
+            reached = graph.entered(member, group)
+            where = "never reported" if member not in beats else f"last entered #{reached}"
+            lag_facts[member] = Evidence(
+                fact=Fact.LAGGING, rank=member, node=node_of(member), group=group,
+                seq=seq, value=float(seq - reached),
                 detail=(
-                    f"rank {wait.rank} has waited {_sec(wait.waited_us):.1f} s in "
-                    f"{wait.op} #{wait.seq} of group {wait.group}"
+                    f"rank {member} on node {node_of(member)} never entered "
+                    f"collective #{seq} of group {group} ({where}); "
+                    f"{waiting_in[group]} rank(s) wait on it"
                 ),
             )
-        )
-
-    roots = _roots(edges, {w.rank for w in stalled})
-    silent_facts = [
+    waiting_facts = [
         Evidence(
-            fact=Fact.SILENT, rank=r, node=snap.node_of(r),
-            value=_sec(snap.now_us - beats[r].time_us),
+            fact=Fact.WAITING, rank=wait.rank, node=node_of(wait.rank),
+            group=wait.group, seq=wait.seq, value=_sec(wait.waited_us),
             detail=(
-                f"rank {r} on node {snap.node_of(r)} has sent no heartbeat for "
-                f"{_sec(snap.now_us - beats[r].time_us):.1f} s while its peers wait"
+                f"rank {wait.rank} has waited {_sec(wait.waited_us):.1f} s in "
+                f"{wait.op} #{wait.seq} of group {wait.group}"
             ),
         )
-        for r in sorted(silent)
-    ]
-    missing_facts = [
-        Evidence(fact=Fact.MISSING, rank=r, node=snap.node_of(r),
-                 detail=f"rank {r} on node {snap.node_of(r)} never reported")
-        for r in sorted(never_reported)
+        for wait in sorted(stalled, key=lambda w: (-w.waited_us, w.rank))[:8]
     ]
 
     if roots:
@@ -233,13 +375,37 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         basis = Basis.HEARTBEAT_LOSS
         confidence = 0.75
     else:
-        culprits = set().union(*(members.get(g, set()) for g in stalled_groups))
+        culprits = set().union(*(members.get(g, frozenset()) for g in stalled_groups))
         basis = Basis.UNLOCALIZED
         confidence = 0.3
 
-    evidence = [lag_facts[r] for r in sorted(lag_facts)] + silent_facts + missing_facts + evidence
+    cap = settings.max_evidence
+
+    def culprits_first(ranks: Iterable[int]) -> list[int]:
+        return sorted(ranks, key=lambda r: (r not in culprits, r))[:cap]
+
+    silent_facts = [
+        Evidence(
+            fact=Fact.SILENT, rank=r, node=node_of(r),
+            value=_sec(snap.now_us - beats[r].time_us),
+            detail=(
+                f"rank {r} on node {node_of(r)} has sent no heartbeat for "
+                f"{_sec(snap.now_us - beats[r].time_us):.1f} s while its peers wait"
+            ),
+        )
+        for r in culprits_first(silent)
+    ]
+    missing_facts = [
+        Evidence(fact=Fact.MISSING, rank=r, node=node_of(r),
+                 detail=f"rank {r} on node {node_of(r)} never reported")
+        for r in culprits_first(never_reported)
+    ]
+    evidence = (
+        [lag_facts[r] for r in culprits_first(lag_facts)] + silent_facts + missing_facts
+        + waiting_facts
+    )
     ranks = tuple(sorted(culprits))
-    nodes = tuple(sorted({snap.node_of(r) for r in ranks}))
+    culprit_nodes = tuple(sorted({node_of(r) for r in ranks}))
     longest = max(stalled, key=lambda w: w.waited_us)
     if basis is Basis.UNLOCALIZED:
         summary = (
@@ -247,38 +413,31 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             f"{longest.op} #{longest.seq} of group {longest.group}; no rank lags or is silent"
         )
     else:
-        who = ", ".join(f"rank {r} on node {snap.node_of(r)}" for r in ranks[:4])
+        who = ", ".join(f"rank {r} on node {node_of(r)}" for r in ranks[:4])
         more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
         summary = (
             f"{who}{more} blocked the job: {len(stalled)} rank(s) have waited up to "
             f"{_sec(longest.waited_us):.1f} s in {longest.op} #{longest.seq} of group "
             f"{longest.group}"
         )
+    group = ""
+    if basis is not Basis.HEARTBEAT_LOSS:
+        lagging_groups = {lag_facts[r].group for r in ranks if r in lag_facts}
+        group = lagging_groups.pop() if len(lagging_groups) == 1 else ""
+        if basis is Basis.UNLOCALIZED and len(stalled_groups) == 1:
+            group = next(iter(stalled_groups))
     return Verdict(
         job=snap.job, attempt=snap.attempt, kind=IncidentKind.HANG, culprit_ranks=ranks,
-        culprit_nodes=nodes, confidence=confidence, basis=basis, summary=summary,
-        evidence=tuple(evidence), observed_at_us=snap.now_us,
+        culprit_nodes=culprit_nodes, confidence=confidence, basis=basis, summary=summary,
+        evidence=tuple(evidence), observed_at_us=snap.now_us, group=group,
     )
-
-
-def _roots(edges: dict[int, set[int]], start: set[int]) -> set[int]:
-    """Ranks reachable from `start` over waits-for edges that wait on nobody; where the reachable
-    ranks only wait on each other (a cycle), all of them."""
-    reached: set[int] = set()
-    frontier = [t for s in start for t in edges.get(s, ())]
-    while frontier:
-        rank = frontier.pop()
-        if rank in reached:
-            continue
-        reached.add(rank)
-        frontier.extend(edges.get(rank, ()))
-    roots = {r for r in reached if not edges.get(r)}
-    return roots or reached
 
 
 def diagnose(snap: JobSnapshot, settings: DetectionSettings | None = None) -> Verdict | None:
     """The verdict for a snapshot, or None while nothing is wrong. Crashes are checked first: a
-    dead rank also stalls its peers, and its exit is the stronger evidence."""
+    dead rank also stalls its peers, and its exit is the stronger evidence. (With window
+    summaries, stacks and health samples, `analysis.diagnose.diagnose_observation` judges more
+    fault kinds.)"""
     settings = settings or DetectionSettings()
     return detect_crash(snap, settings) or detect_hang(snap, settings)
 

@@ -8,10 +8,13 @@ wrong one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tracehound.analysis.snapshot import JobSnapshot
+from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
 from tracehound.tracing.events import HealthSample, StackSample
+from tracehound.tracing.ids import JobId
+from tracehound.tracing.store import TraceStore
 from tracehound.tracing.summaries import Disagreement, LinkStats, NodeWindows, RankStats
 
 
@@ -29,3 +32,36 @@ class Observation:
     """Health samples of the job's nodes in the window (events and metrics)."""
     node_windows: NodeWindows | None = None
     """Per-node features over consecutive windows ending at window_end_us."""
+
+
+def load_observation(
+    store: TraceStore,
+    *,
+    job: JobId,
+    attempt: int,
+    now_us: int,
+    window_s: float = 10.0,
+    node_window_s: float = 5.0,
+    expected_ranks: Mapping[int, str] | None = None,
+) -> Observation:
+    """Read one detection window ending at `now_us` from a store; every summary is computed by
+    the store in SQL, so the rows read back are per rank, per link or per node, never per event."""
+    snap = load_snapshot(store, job=job, attempt=attempt, now_us=now_us,
+                         expected_ranks=expected_ranks)
+    start = now_us - int(window_s * 1_000_000)
+    nodes = sorted(set(snap.expected_ranks.values()) | {str(hb.node) for hb in snap.heartbeats})
+    # Outlier windows reach further back than the detection window: consecutive windows are the
+    # point of the outlier model.
+    node_start = now_us - 4 * int(window_s * 1_000_000)
+    return Observation(
+        snapshot=snap,
+        window_start_us=start,
+        window_end_us=now_us,
+        ranks=store.rank_stats(job, attempt, start, now_us),
+        links=store.link_stats(job, attempt, start, now_us),
+        disagreements=tuple(store.disagreements(job, attempt, start, now_us)),
+        stacks=tuple(store.latest_stacks(job, attempt, start)),
+        health=tuple(store.health(nodes, start, now_us)),
+        node_windows=store.node_windows(job, attempt, node_start, now_us,
+                                        int(node_window_s * 1_000_000)),
+    )

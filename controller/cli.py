@@ -4,6 +4,7 @@
     tracehound run        launch and supervise a torchrun-style job
     tracehound incidents  list stored incidents and the actions taken
     tracehound diagnose   explain a job's state from its stored traces
+    tracehound simulate   write a simulated job's traces (with a fault) to a store
 
 Exit status: 0 on success, 1 when the job (or the demo) failed, 2 for bad usage or a store that
 cannot be used, 130 when interrupted.
@@ -115,6 +116,24 @@ def _parser() -> argparse.ArgumentParser:
     diag.add_argument("--attempt", type=int, help="attempt to diagnose (default: see above)")
     diag.add_argument("--json", action="store_true", help="print the verdict as JSON")
     _store_arg(diag)
+
+    sim = sub.add_parser(
+        "simulate", help="write a simulated job's traces (with a fault) to a store",
+        description="Simulate one detection window of a large job (DP/TP/PP groups, 8 ranks per "
+                    "node, timing noise) with a fault injected, and write its traces to a store "
+                    "so that `tracehound diagnose` can be run on it.",
+        epilog="example:\n  tracehound simulate --ranks 4096 --fault straggler --seed 7 "
+               "--job-id s7\n  tracehound diagnose --job s7",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim.add_argument("--ranks", type=int, required=True, help="ranks in the job (64 to 32768)")
+    sim.add_argument("--fault", required=True, metavar="CLASS",
+                     help="hang, crash, mismatch, straggler, slow_link, hardware, silent_hang "
+                          "or healthy")
+    sim.add_argument("--seed", type=int, default=0, help="scenario seed (default: 0)")
+    sim.add_argument("--job-id", help="job id (default: sim-<fault>-<ranks>-<seed>)")
+    sim.add_argument("--json", action="store_true", help="print what was written as JSON")
+    _store_arg(sim)
     return parser
 
 
@@ -261,11 +280,51 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tracehound.analysis.simulate import FAULT_KINDS, simulate, write_to_store
+    from tracehound.controller.session import resolve_store_url
+    from tracehound.tracing.store import open_store
+
+    classes = [k.value for k in FAULT_KINDS] + ["healthy"]
+    if args.fault not in classes:
+        raise ValueError(f"--fault {args.fault!r}: expected one of {', '.join(classes)}")
+    if not 8 <= args.ranks <= 32_768:
+        raise ValueError(f"--ranks {args.ranks}: expected a number of ranks from 8 to 32768")
+    job = args.job_id or f"sim-{args.fault}-{args.ranks}-{args.seed}"
+    sim = simulate(ranks=args.ranks, fault=args.fault, seed=args.seed, job=job)
+    store = open_store(resolve_store_url(args.store))
+    try:
+        write_to_store(sim, store)
+        shown = store.url
+    finally:
+        store.close()
+    truth = sim.truth
+    written = {
+        "job": job, "store": shown, "ranks": args.ranks, "fault": args.fault,
+        "seed": args.seed, "collectives": len(sim.columns),
+        "nodes": len(set(sim.rank_nodes.values())),
+        "truth": {
+            "kind": truth.kind.value if truth.kind else "healthy",
+            "culprit_ranks": list(truth.culprit_ranks), "culprit_nodes": list(truth.culprit_nodes),
+            "link": list(truth.link) if truth.link else None, "variant": truth.variant,
+        },
+    }
+    if args.json:
+        _print_json(written)
+    else:
+        print(f"wrote job {job}: {args.ranks} ranks on {written['nodes']} nodes, "
+              f"{written['collectives']} collective events, injected {written['truth']['kind']} "
+              f"({truth.variant or '-'}) at ranks {list(truth.culprit_ranks)[:8]} to {shown}")
+        print(f"now: tracehound diagnose --job {job}" + (f" --store {args.store}"
+                                                          if args.store else ""))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logs.configure(args.log_level)
     handlers = {"demo": cmd_demo, "run": cmd_run, "incidents": cmd_incidents,
-                "diagnose": cmd_diagnose}
+                "diagnose": cmd_diagnose, "simulate": cmd_simulate}
     try:
         return handlers[args.command](args)
     except StoreError as exc:

@@ -9,24 +9,31 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tracehound.analysis.detect import DetectionSettings, diagnose
+from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
 from tracehound.analysis.verdict import Verdict
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore
 
 
-def _as_of_end(store: TraceStore, job: JobId, attempt: int) -> JobSnapshot:
+def _as_of_end(store: TraceStore, job: JobId, attempt: int, window_s: float) -> Observation:
     probe = load_snapshot(store, job=job, attempt=attempt, now_us=0)
     times = [hb.time_us for hb in probe.heartbeats] + [e.time_us for e in probe.exits]
     members = {r for g in probe.groups for r in g.ranks}
     nodes: dict[int, str] = {int(hb.rank): str(hb.node) for hb in probe.heartbeats}
     nodes.update({int(e.rank): str(e.node) for e in probe.exits})
     expected = {r: nodes.get(r, "unknown") for r in members | set(nodes)}
-    return JobSnapshot(
-        job=job, attempt=attempt, now_us=max(times, default=0), heartbeats=probe.heartbeats,
+    end = max(times, default=0)
+    # The window's end is exclusive: reach one microsecond past the newest record.
+    obs = load_observation(store, job=job, attempt=attempt, now_us=end + 1, window_s=window_s,
+                           expected_ranks=expected)
+    snap = JobSnapshot(
+        job=job, attempt=attempt, now_us=end, heartbeats=probe.heartbeats,
         exits=probe.exits, groups=probe.groups, expected_ranks=expected,
     )
+    return dataclasses.replace(obs, snapshot=snap)
 
 
 def _verdict_json(verdict: Verdict) -> dict[str, Any]:
@@ -38,6 +45,7 @@ def diagnose_stored(
     job: JobId,
     attempt: int | None = None,
     settings: DetectionSettings | None = None,
+    window_s: float = 10.0,
 ) -> dict[str, Any] | None:
     """The verdict for one attempt (default: the latest attempt that shows a fault, else the
     latest attempt) as a JSON-ready dict; None when the store has nothing of the job."""
@@ -48,12 +56,12 @@ def diagnose_stored(
     settings = dataclasses.replace(settings or DetectionSettings(), crash_settle_s=0.0)
     candidates = [attempt] if attempt is not None else sorted(attempts, reverse=True)
     for a in candidates:
-        snap = _as_of_end(store, job, a)
-        verdict = diagnose(snap, settings)
+        obs = _as_of_end(store, job, a, window_s)
+        verdict = diagnose_observation(obs, settings)
         if verdict is not None:
-            return {**_verdict_json(verdict), "ranks_seen": len(snap.heartbeats)}
+            return {**_verdict_json(verdict), "ranks_seen": len(obs.snapshot.heartbeats)}
     a = candidates[0]
-    snap = _as_of_end(store, job, a)
+    snap = _as_of_end(store, job, a, window_s).snapshot
     return {
         "job": job, "attempt": a, "kind": "healthy", "culprit_ranks": [], "culprit_nodes": [],
         "confidence": 1.0, "basis": "", "evidence": [], "ranks_seen": len(snap.heartbeats),

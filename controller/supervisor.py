@@ -20,11 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tracehound.analysis.detect import DetectionSettings, diagnose
-from tracehound.analysis.snapshot import JobSnapshot, load_snapshot, snapshot_to_json
+from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.observation import load_observation
+from tracehound.analysis.snapshot import JobSnapshot, snapshot_to_json
 from tracehound.analysis.verdict import Verdict
 from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes, Orchestrator
-from tracehound.controller.policy import PlannedAction, PolicySettings, plan_recovery
+from tracehound.controller.policy import (
+    SOFT_KINDS,
+    PlannedAction,
+    PolicySettings,
+    plan_recovery,
+)
 from tracehound.tracing.errors import TemporaryStoreError
 from tracehound.tracing.events import Action, ActionKind, Batch, Incident, RankExit, now_us
 from tracehound.tracing.ids import JobId, NodeId
@@ -54,6 +61,8 @@ class SupervisorSettings:
     policy: PolicySettings = field(default_factory=PolicySettings)
     timeout_s: float | None = None
     """Give up on the whole run after this long (None: never)."""
+    window_s: float = 10.0
+    """Length of the detection window of collective summaries (stragglers, links, mismatches)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +107,8 @@ class Supervisor:
         self.observer = observer
         self.evidence_dir = evidence_dir
         self._last_snapshot: JobSnapshot | None = None
+        self._soft_seen: dict[tuple[str, tuple[str, ...]], int] = {}
+        self._soft_quiet_until = 0
         self.pool = NodePool(
             [NodeId(f"node-{i}") for i in range(spec.nnodes + spec.spare_nodes)]
         )
@@ -161,17 +172,44 @@ class Supervisor:
             if timeout_us is not None and now - started_us > timeout_us:
                 return f"timed out after {self.settings.timeout_s:.0f} s"
             try:
-                snap = load_snapshot(self.store, job=plan.job, attempt=plan.attempt,
-                                     now_us=now, expected_ranks=rank_nodes)
+                obs = load_observation(
+                    self.store, job=plan.job, attempt=plan.attempt, now_us=now,
+                    window_s=self.settings.window_s, expected_ranks=rank_nodes,
+                )
             except TemporaryStoreError as exc:
                 self.log.warning("store unavailable, analysis paused: %s", exc)
                 continue
             if self.observer is not None:
-                self.observer(PollView(plan.attempt, snap, self.orch))
-            verdict = diagnose(snap, self.settings.detection)
-            if verdict is not None:
-                self._last_snapshot = snap
-                return verdict
+                self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
+            verdict = diagnose_observation(obs, self.settings.detection)
+            if verdict is None or not self._soft_gate(verdict, now):
+                continue
+            self._last_snapshot = obs.snapshot
+            if verdict.kind in SOFT_KINDS and self._times_seen(verdict) < (
+                self.settings.policy.soft_repeats
+            ):
+                self._recover(verdict)  # observed only; the attempt goes on
+                continue
+            return verdict
+
+    def _times_seen(self, verdict: Verdict) -> int:
+        return self._soft_seen.get((verdict.kind.value, verdict.culprit_nodes), 1)
+
+    def _soft_gate(self, verdict: Verdict, now_us: int) -> bool:
+        """Whether to act on a verdict now. Hard verdicts always pass. A soft one is counted at
+        most once per detection window, so "seen again" means "seen in the next window"; a
+        window without it starts the count afresh."""
+        window_us = int(self.settings.window_s * 1e6)
+        if self._soft_seen and now_us > self._soft_quiet_until + window_us:
+            self._soft_seen = {}
+        if verdict.kind not in SOFT_KINDS:
+            return True
+        if now_us < self._soft_quiet_until:
+            return False
+        key = (verdict.kind.value, verdict.culprit_nodes)
+        self._soft_seen = {key: self._soft_seen.get(key, 0) + 1}
+        self._soft_quiet_until = now_us + window_us
+        return True
 
     def _record_exit(self, exit_: RankExit) -> None:
         level = logging.INFO if exit_.exit_code == 0 else logging.WARNING
@@ -192,6 +230,7 @@ class Supervisor:
     # -- acting on a verdict -------------------------------------------------------------------
     def _recover(self, verdict: Verdict) -> str | None:
         """Record the incident and carry out the policy's plan; the reason if it gave up."""
+        times_seen = self._times_seen(verdict) if verdict.kind in SOFT_KINDS else 1
         incident_id = f"{verdict.job}/{verdict.attempt}/{next(self._ids)}"
         detected = self.clock()
         incident = Incident(
@@ -208,6 +247,7 @@ class Supervisor:
         plan = plan_recovery(
             verdict, restarts_done=verdict.attempt,
             healthy_spares=len(self.pool.healthy_spares()), settings=self.settings.policy,
+            times_seen=times_seen,
         )
         actions: list[Action] = []
         gave_up: str | None = None
@@ -246,9 +286,7 @@ class Supervisor:
             self.pool.isolate(node, step.reason)
             self.orch.isolate(node, reason=step.reason)
             return True, f"isolated {node}: {step.reason}"
-        if step.kind is ActionKind.RESTART:
-            return True, step.reason
-        return True, step.reason
+        return True, step.reason  # restart, observe and give up are carried out by the loop
 
     def _store_retrying(self, write: Callable[[], None]) -> None:
         for delay in (0.2, 0.5, 1.0, 2.0, 4.0, 8.0):

@@ -342,7 +342,8 @@ ORDER BY time_us, node, device, metric, source, job
 SQL_RANK_STATS = """
 SELECT rank, count() AS n, avg(toInt64(enqueue) - toInt64(first_us)) AS lateness_mean_us,
        countIf(enqueue = last_us) AS last_count,
-       avg(toInt64(complete) - toInt64(enqueue)) AS wait_mean_us
+       avg(toInt64(complete) - toInt64(enqueue)) AS wait_mean_us,
+       toInt64(max(enqueue)) - toInt64(min(enqueue)) AS span_us
 FROM (
     SELECT min(enqueue_us) AS first_us, max(enqueue_us) AS last_us, groupArray(rank) AS ranks,
            groupArray(enqueue_us) AS enqueues, groupArray(complete_us) AS completes
@@ -618,12 +619,13 @@ class SqlTraceStore(abc.ABC):
     def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> RankStats:
         params = self._window_params(job, attempt, start_us, end_us)
         rows = self._query(self._sql(SQL_RANK_STATS), params) if params else []
-        rank, n, lateness, last, wait = columns_of(rows, 5)
+        rank, n, lateness, last, wait, span = columns_of(rows, 6)
         return RankStats(
             rank=np.array(rank, dtype=np.int64), n=np.array(n, dtype=np.int64),
             lateness_mean_us=np.array(lateness, dtype=np.float64),
             last_count=np.array(last, dtype=np.int64),
             wait_mean_us=np.array(wait, dtype=np.float64),
+            span_us=np.array(span, dtype=np.int64),
         )
 
     def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> LinkStats:

@@ -15,7 +15,9 @@ times are signed: a clock that runs backwards gives negative values, never wrapp
 - RankStats, per rank over its collective rows in sequences with members >= 2 (ranks without
   such rows are absent): n, lateness_mean_us = mean(enqueue_us - first_us), last_count = number
   of sequences where the rank's enqueue_us == last_us (ties count for every tied rank),
-  wait_mean_us = mean(complete_us - enqueue_us).
+  wait_mean_us = mean(complete_us - enqueue_us), span_us = max(enqueue_us) - min(enqueue_us)
+  (how far the rank's counted collectives spread: with n it gives the time between collectives,
+  whatever part of the window the job was running in).
 - LinkStats, per (src, dst) over p2p pair groups (`":p2p:"` in the group id). Per (group, seq),
   only its send-side rows (op send/isend) and recv-side rows (op recv/irecv) count, any other op
   is ignored; it is a transfer when there is exactly one send-side row (src = its rank) and
@@ -83,6 +85,7 @@ class RankStats:
     lateness_mean_us: F64
     last_count: I64
     wait_mean_us: F64
+    span_us: I64
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -210,7 +213,19 @@ def rank_stats(cols: CollectiveColumns, start_us: int, end_us: int) -> RankStats
             np.int64
         ),
         wait_mean_us=np.bincount(code, weights=a.wait_us, minlength=ranks.shape[0]) / n,
+        span_us=_span(code, a.enqueue_us, ranks.shape[0]),
     )
+
+
+def _span(code: I64, values: I64, size: int) -> I64:
+    """max - min of `values` per code (0..size-1)."""
+    if size == 0:
+        return np.zeros(0, np.int64)
+    high = np.full(size, np.iinfo(np.int64).min, np.int64)
+    low = np.full(size, np.iinfo(np.int64).max, np.int64)
+    np.maximum.at(high, code, values)
+    np.minimum.at(low, code, values)
+    return (high - low).astype(np.int64)
 
 
 def link_stats(cols: CollectiveColumns, start_us: int, end_us: int) -> LinkStats:

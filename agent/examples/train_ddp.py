@@ -7,6 +7,8 @@ checkpoint helper. Faults are injected from inside for tests and demos:
     --fault crash --fault-rank 1 --fault-step 30   rank 1 exits with status 1 before step 30
     --fault hang  ...                              it sleeps forever instead
     --fault slow  ...                              it sleeps --slow-ms extra per step from then on
+    --fault mismatch ...                           at that step it broadcasts where the others
+                                                   all-reduce the loss (they all hang)
 
 A fault fires only in attempt --fault-attempt (default 0; -1: every attempt), so a restarted job
 that resumed from a checkpoint runs on healthy.
@@ -37,7 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pg-timeout-s", type=float, default=60.0)
     parser.add_argument("--step-sleep-ms", type=float, default=0.0)
     parser.add_argument("--print-every", type=int, default=10)
-    parser.add_argument("--fault", choices=["none", "crash", "hang", "slow"], default="none")
+    parser.add_argument(
+        "--fault", choices=["none", "crash", "hang", "slow", "mismatch"], default="none"
+    )
+    parser.add_argument("--sync-loss-every", type=int, default=10,
+                        help="all-reduce the loss for logging every N steps (0: never)")
     parser.add_argument("--fault-rank", type=int, default=0)
     parser.add_argument("--fault-step", type=int, default=0)
     parser.add_argument("--fault-attempt", type=int, default=0, help="-1: every attempt")
@@ -52,11 +58,29 @@ def attempt() -> int:
     return int(raw) if raw else 0
 
 
+def faulty(args: argparse.Namespace, rank: int, step: int) -> bool:
+    """Whether the configured fault applies to this rank, at this step, in this attempt."""
+    if args.fault == "none" or rank != args.fault_rank or step < args.fault_step:
+        return False
+    return bool(args.fault_attempt < 0 or attempt() == args.fault_attempt)
+
+
+def sync_loss(args: argparse.Namespace, rank: int, step: int, loss: torch.Tensor) -> float:
+    """The loss averaged over ranks, as scripts do for logging; the mismatch fault makes the
+    faulty rank call broadcast here while every other rank calls all_reduce."""
+    value = loss.detach().clone()
+    if args.fault == "mismatch" and step == args.fault_step and faulty(args, rank, step):
+        print(f"rank {rank}: injected mismatch at step {step} (broadcast vs all_reduce)",
+              flush=True)
+        dist.broadcast(value, src=0)
+    else:
+        dist.all_reduce(value)
+    return float(value.item()) / dist.get_world_size()
+
+
 def inject(args: argparse.Namespace, rank: int, step: int) -> None:
     """Apply the configured fault if this rank, step and attempt are the chosen ones."""
-    if args.fault == "none" or rank != args.fault_rank or step < args.fault_step:
-        return
-    if args.fault_attempt >= 0 and attempt() != args.fault_attempt:
+    if not faulty(args, rank, step):
         return
     if args.fault == "crash" and step == args.fault_step:
         print(f"rank {rank}: injected crash at step {step}", flush=True)
@@ -114,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         done = step + 1
         if args.step_sleep_ms > 0:
             time.sleep(args.step_sleep_ms / 1000.0)
+        mismatch_step = args.fault == "mismatch" and step == args.fault_step
+        if (args.sync_loss_every > 0 and done % args.sync_loss_every == 0) or mismatch_step:
+            mean_loss = sync_loss(args, rank, step, loss)
+        else:
+            mean_loss = float(loss.item())
         if args.print_every > 0 and done % args.print_every == 0:
-            print(f"rank {rank}/{world}: step {done} loss {loss.item():.4f}", flush=True)
+            print(f"rank {rank}/{world}: step {done} loss {mean_loss:.4f}", flush=True)
         if (
             args.checkpoint_every > 0
             and done % args.checkpoint_every == 0

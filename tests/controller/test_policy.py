@@ -64,3 +64,29 @@ def test_attempt_plan_maps_ranks_to_nodes_like_torchrun() -> None:
                        nproc_per_node=2, command=("python", "x.py"))
     assert plan.world_size == 4
     assert plan.rank_nodes() == {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def test_soft_faults_are_observed_first_and_acted_on_when_seen_again() -> None:
+    slow = Verdict(
+        job=JobId("j"), attempt=0, kind=IncidentKind.STRAGGLER, culprit_ranks=(5,),
+        culprit_nodes=("node-1",), confidence=0.9, basis=Basis.ARRIVAL_LATENESS,
+        summary="rank 5 arrives last", evidence=(), observed_at_us=0,
+    )
+    first = plan_recovery(slow, restarts_done=0, healthy_spares=1, settings=PolicySettings())
+    assert kinds(first) == [("observe", "node-1")]
+    again = plan_recovery(slow, restarts_done=0, healthy_spares=1, settings=PolicySettings(),
+                          times_seen=2)
+    assert kinds(again) == [("stop_job", "attempt 0"), ("isolate_node", "node-1"),
+                            ("restart", "attempt 1")]
+
+
+def test_a_mismatch_is_the_programs_fault_and_is_not_restarted() -> None:
+    bug = Verdict(
+        job=JobId("j"), attempt=0, kind=IncidentKind.MISMATCH, culprit_ranks=(2,),
+        culprit_nodes=("node-1",), confidence=0.95, basis=Basis.MAJORITY_VOTE,
+        summary="rank 2 called broadcast where 3 ranks called all_reduce", evidence=(),
+        observed_at_us=0,
+    )
+    plan = plan_recovery(bug, restarts_done=0, healthy_spares=1, settings=PolicySettings())
+    assert [a.kind for a in plan] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
+    assert "training program" in plan[1].reason

@@ -159,6 +159,7 @@ def assert_rank_stats(got: RankStats, want: RankStats) -> None:
     np.testing.assert_array_equal(got.last_count, want.last_count)
     np.testing.assert_allclose(got.lateness_mean_us, want.lateness_mean_us, rtol=1e-12)
     np.testing.assert_allclose(got.wait_mean_us, want.wait_mean_us, rtol=1e-12)
+    np.testing.assert_array_equal(got.span_us, want.span_us)
 
 
 def assert_link_stats(got: LinkStats, want: LinkStats) -> None:

@@ -74,6 +74,9 @@ def naive_rank_stats(case: Case) -> RankStats:
                             dtype=np.int64),
         wait_mean_us=np.array([fmean(x.complete_us - x.enqueue_us for x, _, _ in per[r])
                                for r in ranks]),
+        span_us=np.array([max(x.enqueue_us for x, _, _ in per[r])
+                          - min(x.enqueue_us for x, _, _ in per[r]) for r in ranks],
+                         dtype=np.int64),
     )
 
 
@@ -197,6 +200,7 @@ def test_a_worked_example() -> None:
     assert ranks.lateness_mean_us.tolist() == [0.0, 1.5, 2.0]
     assert ranks.last_count.tolist() == [0, 2, 1]
     assert ranks.wait_mean_us.tolist() == [10.0, 8.5, 9.0]
+    assert ranks.span_us.tolist() == [20, 19, 0]
     links = summaries.link_stats(case.cols, case.start_us, case.end_us)
     assert (links.src.tolist(), links.dst.tolist(), links.n.tolist()) == ([3], [4], [1])
     assert links.transfer_mean_us.tolist() == links.transfer_max_us.tolist() == [17.0]

@@ -1,0 +1,84 @@
+"""The entry point of the analysis: one observation in, the single best verdict out.
+
+Every detector runs on the same observation; the verdict kinds rank by how conclusive their
+evidence is:
+
+    crash > mismatch > hang > hardware > slow_link > straggler > silent_hang > node_outlier
+
+- A crash stalls its peers and a mismatch hangs its group: their own evidence (an exit, a vote)
+  explains the stall better than the stall does.
+- A hang that control dependency cannot localize is handed to the stack traces (silent hang).
+- A hardware health event on the culprit node of a hang, silent hang, slow link, straggler or
+  node outlier turns that verdict into a hardware verdict on that node. Among the anomalies
+  without a hang, any one so correlated wins over the uncorrelated ones.
+- The machine-level outlier model corroborates a straggler or slow link on the node it flags
+  (a little more confidence and its evidence), and stands alone only when nothing else fired.
+
+Pure: no I/O, no clock; `Observation.snapshot.now_us` is the analysis' notion of now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang
+from tracehound.analysis.hardware import correlate_hardware, with_health_evidence
+from tracehound.analysis.links import detect_slow_link
+from tracehound.analysis.mismatch import detect_mismatch
+from tracehound.analysis.observation import Observation
+from tracehound.analysis.outliers import detect_node_outliers
+from tracehound.analysis.stacks import detect_silent_hang
+from tracehound.analysis.straggler import detect_straggler
+from tracehound.analysis.verdict import Basis, Verdict
+from tracehound.tracing.events import IncidentKind
+
+_CORROBORATED = frozenset({IncidentKind.STRAGGLER, IncidentKind.SLOW_LINK})
+
+
+def _corroborate(verdict: Verdict, outliers: Verdict | None) -> Verdict:
+    """A straggler or slow-link verdict whose culprit node the outlier model flags too."""
+    if outliers is None or verdict.kind not in _CORROBORATED:
+        return verdict
+    shared = set(verdict.culprit_nodes) & set(outliers.culprit_nodes)
+    if not shared:
+        return verdict
+    extra = tuple(e for e in outliers.evidence if e.node in shared)
+    return replace(
+        verdict, confidence=round(min(0.97, verdict.confidence + 0.05), 3),
+        evidence=verdict.evidence + extra,
+    )
+
+
+def diagnose_observation(obs: Observation,
+                         settings: DetectionSettings | None = None) -> Verdict | None:
+    """The best verdict for the observation, or None while nothing is wrong."""
+    settings = settings or DetectionSettings()
+    snap = obs.snapshot
+    crash = detect_crash(snap, settings)
+    if crash is not None:
+        return with_health_evidence(crash, obs, settings)
+    mismatch = detect_mismatch(obs, settings)
+    if mismatch is not None:
+        return mismatch
+    hang = detect_hang(snap, settings)
+    if hang is not None:
+        if hang.basis is Basis.UNLOCALIZED:
+            hang = detect_silent_hang(obs, settings, stall=hang) or hang
+        return correlate_hardware(hang, obs, settings) or hang
+
+    outliers = detect_node_outliers(obs, settings)
+    anomalies = [
+        _corroborate(v, outliers)
+        for v in (
+            detect_slow_link(obs, settings),
+            detect_straggler(obs, settings),
+            detect_silent_hang(obs, settings),
+            outliers,
+        )
+        if v is not None
+    ]
+    for verdict in anomalies:
+        hardware = correlate_hardware(verdict, obs, settings)
+        if hardware is not None:
+            return hardware
+    return anomalies[0] if anomalies else None

@@ -1,0 +1,205 @@
+"""Communication slow: a link, or one node's network, slower than comparable ones.
+
+Reads `Observation.links` (LinkStats: per (src, dst) point-to-point transfer times, measured from
+the later of the two enqueues, so a late sender's compute does not count). Links are compared
+within their class only (both ends on one node vs on two nodes: NVLink and the network differ by
+an order of magnitude). A link is slow when its mean transfer time is `link_min_z` robust
+deviations (1.4826 MAD) and `link_min_ratio` x above its class median; a link's mean is taken
+without its single worst transfer (n * mean - max) / (n - 1), so one network hiccup (a transfer
+stalled for 300 ms) does not make a link slow, while a consistently slow link stays slow.
+
+A node is judged on all its links together, so each needs less margin (`link_node_min_ratio`):
+when such slow links reach at least two different peers of a node and make up
+`link_node_fraction` of its links, the node (its NIC, its switch port) is blamed.
+Where two nodes qualify alike (all links of one pipeline boundary run between them), both are
+named with confidence 0.5, the one whose ranks wait longer inside collectives first. That order
+is a weak hint only (a slow NIC slows its node's inter-node collectives, but a rank's mean wait
+mixes those with its pipeline position); the window summaries do not separate the two sides.
+Otherwise the slowest link is: both its ranks, the one whose other links are slower first (the
+sender when nothing tells them apart).
+
+Pure: numpy over the columns, no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from tracehound.analysis.common import ms, rank_nodes
+from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.observation import Observation
+from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
+from tracehound.tracing.events import IncidentKind
+from tracehound.tracing.summaries import F64, I64
+
+_FLOOR_US = 1.0
+_REL_FLOOR = 0.05
+_END_MARGIN = 1.1
+"""The receiver is named first only when its other links are 10% slower than the sender's."""
+
+
+def _other_links_ratio(rank: int, skip: tuple[int, int], *, src: I64, dst: I64, ratio: F64,
+                       judged: npt.NDArray[np.bool_]) -> float:
+    """Median slowness (vs class median) of the rank's links other than the pair `skip`."""
+    a, b = skip
+    touches = judged & ((src == rank) | (dst == rank))
+    pair = ((src == a) & (dst == b)) | ((src == b) & (dst == a))
+    others = ratio[touches & ~pair]
+    return float(np.median(others)) if others.size else 1.0
+
+
+def _mean_wait(obs: Observation, node: str, nodes: dict[int, str]) -> float:
+    """Mean time the node's ranks spent inside collectives (0 without rank statistics)."""
+    stats = obs.ranks
+    if stats is None:
+        return 0.0
+    on = np.array([nodes.get(int(r)) == node for r in stats.rank], dtype=np.bool_)
+    return float(stats.wait_mean_us[on].mean()) if on.any() else 0.0
+
+
+def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict | None:
+    """The slowest outlier link, or the node whose links are all slow (see the docstring)."""
+    links = obs.links
+    if links is None or links.src.shape[0] < settings.link_min_comparable:
+        return None
+    nodes = rank_nodes(obs.snapshot)
+    codes: dict[str, int] = {}
+    src_code = np.array([codes.setdefault(nodes.get(int(r), f"?{r}"), len(codes))
+                         for r in links.src], dtype=np.int64)
+    dst_code = np.array([codes.setdefault(nodes.get(int(r), f"?{r}"), len(codes))
+                         for r in links.dst], dtype=np.int64)
+    names = list(codes)
+    judged = links.n >= settings.link_min_transfers
+    # the mean without the worst transfer: one network hiccup does not make a link slow
+    count = links.n.astype(np.float64)
+    total = links.transfer_mean_us.astype(np.float64) * count
+    transfer = np.where(
+        count >= 2, (total - links.transfer_max_us) / np.maximum(count - 1, 1),
+        links.transfer_mean_us,
+    ).astype(np.float64)
+    intra = src_code == dst_code
+
+    z = np.zeros_like(transfer)
+    ratio = np.ones_like(transfer)
+    median = np.zeros_like(transfer)
+    comparable = np.zeros_like(transfer)
+    for cls in (intra, ~intra):
+        sel = judged & cls
+        in_class = int(sel.sum())
+        if in_class < settings.link_min_comparable:
+            continue
+        center = float(np.median(transfer[sel]))
+        mad = float(np.median(np.abs(transfer[sel] - center))) * 1.4826
+        scale = max(mad, _REL_FLOOR * center, _FLOOR_US)
+        z[sel] = (transfer[sel] - center) / scale
+        ratio[sel] = transfer[sel] / max(center, _FLOOR_US)
+        median[sel] = center
+        comparable[sel] = in_class
+    slow = judged & (z >= settings.link_min_z) & (ratio >= settings.link_min_ratio)
+    # A node is judged on all its links together, so each of them needs less margin.
+    weak = judged & (z >= settings.link_min_z) & (ratio >= settings.link_node_min_ratio)
+    if not weak.any():
+        return None
+
+    def where(i: int) -> str:
+        return "intra-node" if intra[i] else "inter-node"
+
+    def link_words(i: int) -> str:
+        s, d = int(links.src[i]), int(links.dst[i])
+        return (
+            f"transfers from rank {s} on node {names[src_code[i]]} to rank {d} on node "
+            f"{names[dst_code[i]]} took {ms(float(links.transfer_mean_us[i]))} on average over "
+            f"{int(links.n[i])} "
+            f"(worst {ms(float(links.transfer_max_us[i]))}), {ratio[i]:.1f}x the median of "
+            f"{int(comparable[i])} comparable {where(i)} links ({ms(median[i])})"
+        )
+
+    def evidence_of(idx: I64) -> tuple[Evidence, ...]:
+        return tuple(
+            Evidence(
+                fact=Fact.SLOW_TRANSFER, rank=int(links.src[i]), node=names[src_code[i]],
+                detail=link_words(i), value=round(float(transfer[i]) / 1e6, 6),
+            )
+            for i in idx[: settings.max_evidence]
+        )
+
+    # node blame: most of a node's links are slow, towards at least two different peers
+    n_codes = len(names)
+    cross = src_code != dst_code
+    touch = np.bincount(src_code[judged], minlength=n_codes) + np.bincount(
+        dst_code[judged & cross], minlength=n_codes)
+    slow_touch = np.bincount(src_code[weak], minlength=n_codes) + np.bincount(
+        dst_code[weak & cross], minlength=n_codes)
+    qualified: list[int] = []
+    for code in np.flatnonzero(slow_touch >= 2):
+        mine = weak & ((src_code == code) | (dst_code == code))
+        peers = set(links.dst[mine & (src_code == code)].tolist()) | set(
+            links.src[mine & (dst_code == code)].tolist())
+        share = slow_touch[code] / max(touch[code], 1)
+        if len(peers) >= 2 and share >= settings.link_node_fraction:
+            qualified.append(int(code))
+    most = max((int(slow_touch[c]) for c in qualified), default=0)
+    tied = [c for c in qualified if slow_touch[c] == most]
+    if len(tied) > 1:
+        # Two nodes whose links all go to each other (one pipeline boundary): a slow NIC also
+        # slows its node's other inter-node collectives, so its ranks wait longer in them.
+        tied.sort(key=lambda c: (-_mean_wait(obs, names[c], nodes), names[c]))
+    best_node = tied[0] if tied else -1
+
+    job, attempt, now = obs.snapshot.job, obs.snapshot.attempt, obs.snapshot.now_us
+    weak_idx = np.flatnonzero(weak)
+    weak_idx = weak_idx[np.argsort(-ratio[weak_idx], kind="stable")]
+    if best_node >= 0:
+        mine_idx = [int(i) for i in weak_idx
+                    if src_code[i] == best_node or dst_code[i] == best_node]
+        ranks: list[int] = []
+        for i in mine_idx:
+            for r, c in ((int(links.src[i]), src_code[i]), (int(links.dst[i]), dst_code[i])):
+                if c == best_node and r not in ranks:
+                    ranks.append(r)
+        worst = mine_idx[0]
+        node = names[best_node]
+        summary = (
+            f"the network of node {node} is slow: {int(slow_touch[best_node])} of "
+            f"{int(touch[best_node])} links touching it are outliers, up to "
+            f"{ratio[worst]:.1f}x the median of comparable links "
+            f"({ms(transfer[worst])} vs {ms(median[worst])})"
+        )
+        others = tuple(names[c] for c in tied[1:])
+        if others:
+            summary += (
+                f"; so are those of node(s) {', '.join(others)}, whose links all go to it: "
+                "either side's network may be the slow one"
+            )
+        return Verdict(
+            job=job, attempt=attempt, kind=IncidentKind.SLOW_LINK, culprit_ranks=tuple(ranks),
+            culprit_nodes=(node, *others), confidence=0.5 if others else 0.85,
+            basis=Basis.LINK_LATENCY, summary=summary, evidence=evidence_of(np.asarray(mine_idx)),
+            observed_at_us=now,
+            culprit_link=(int(links.src[worst]), int(links.dst[worst])),
+        )
+
+    slow_idx = np.flatnonzero(slow)
+    if slow_idx.size == 0:
+        return None
+    slow_idx = slow_idx[np.argsort(-ratio[slow_idx], kind="stable")]
+    worst = int(slow_idx[0])
+    s, d = int(links.src[worst]), int(links.dst[worst])
+    s_other = _other_links_ratio(s, (s, d), src=links.src, dst=links.dst, ratio=ratio,
+                                 judged=judged)
+    d_other = _other_links_ratio(d, (s, d), src=links.src, dst=links.dst, ratio=ratio,
+                                 judged=judged)
+    ends = [(s, names[src_code[worst]]), (d, names[dst_code[worst]])]
+    if d_other >= _END_MARGIN * s_other:
+        ends.reverse()
+    culprit_ranks = tuple(r for r, _ in ends)
+    culprit_nodes = tuple(dict.fromkeys(n for _, n in ends))
+    confidence = 0.9 if ratio[worst] >= 2.0 else 0.8
+    also = f"; {slow_idx.size - 1} other link(s) are slow too" if slow_idx.size > 1 else ""
+    return Verdict(
+        job=job, attempt=attempt, kind=IncidentKind.SLOW_LINK, culprit_ranks=culprit_ranks,
+        culprit_nodes=culprit_nodes, confidence=confidence, basis=Basis.LINK_LATENCY,
+        summary=link_words(worst) + also, evidence=evidence_of(slow_idx), observed_at_us=now,
+        culprit_link=(s, d),
+    )

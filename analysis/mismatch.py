@@ -1,0 +1,289 @@
+"""Mismatch: the ranks of a group disagree on the op, size, dtype or order of a collective.
+
+Three sources, all decided by majority vote within the group (the rank that differs from the
+majority is the culprit; Flight Recorder's own analyzer blames whichever side it sees first):
+
+1. Recorded collectives that disagree (`Observation.disagreements`): the rows of one (group, seq)
+   do not share one op, size and dtype. A size difference alone does not count for ops whose
+   members legitimately pass different sizes (`DetectionSettings.mismatch_size_exempt_ops`).
+2. Heartbeats: members pending on the same sequence id of a group with different ops (a
+   broadcast against an all_reduce hangs everyone with equal sequence ids). Conclusive at once:
+   one sequence id is one collective on every member.
+3. Sequence shift: every member of a group is still reporting and pending in it, a strict
+   majority on one sequence id `s` for `hang_after_s`, and a minority pending on another id. The
+   minority issued an extra (ahead) or a missing (behind) collective. Control dependency alone
+   would blame the majority for a shift ahead (they "never entered" the minority's collective).
+
+A vote needs a majority: two members that disagree are both named, with confidence 0.5, unless
+one of them also stands out in another group, or left the group (it is no longer pending in it
+while the other waits there: it issued fewer collectives), which puts it first with 0.7.
+Send/recv ops (point-to-point) are never compared.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tracehound.analysis.common import (
+    US_PER_S,
+    is_p2p_group,
+    is_p2p_op,
+    ordered_nodes,
+    rank_nodes,
+    who,
+)
+from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.observation import Observation
+from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
+from tracehound.tracing.events import GroupProgress, IncidentKind
+from tracehound.tracing.summaries import Disagreement
+
+
+@dataclass(frozen=True, slots=True)
+class _Finding:
+    group: str
+    seq: int
+    culprits: tuple[int, ...]
+    """Ranks that differ from the majority (all of them when there is no majority)."""
+    members: int
+    majority: str
+    """What the majority did, in words (`all_reduce of 4096 B float32`, `all_reduce #88`)."""
+    theirs: Mapping[int, str]
+    """What each culprit did, in words."""
+    what: str
+    """`op`, `size`, `dtype` or `sequence`."""
+    source: str
+    """`recorded` (completed or failed events) or `pending` (heartbeats)."""
+    tie: bool
+    shift: int = 0
+    """For a sequence shift: the first culprit's sequence id minus the majority's."""
+
+
+def _describe(op: str, nbytes: int, dtype: str) -> str:
+    return f"{op} of {nbytes} B {dtype}"
+
+
+def _from_disagreement(d: Disagreement, exempt: tuple[str, ...]) -> _Finding | None:
+    keys = [
+        ("p2p" if is_p2p_op(op) else op, n, dt)
+        for op, n, dt in zip(d.ops, d.nbytes, d.dtypes, strict=True)
+    ]
+    if len({k[0] for k in keys}) == 1 and keys[0][0] == "p2p":
+        return None
+    ops, dtypes = {k[0] for k in keys}, {k[2] for k in keys}
+    if len(ops) == 1 and len(dtypes) == 1 and keys[0][0] in exempt:
+        return None  # sizes differ, legitimately
+    if len(set(keys)) == 1:
+        return None
+    counts = Counter(keys)
+    (top, top_n), *rest = counts.most_common()
+    tie = bool(rest) and rest[0][1] == top_n
+    culprits = tuple(
+        r for r, k in zip(d.ranks, keys, strict=True) if tie or k != top
+    )
+    what = "op" if len(ops) > 1 else "dtype" if len(dtypes) > 1 else "size"
+    theirs = {
+        r: _describe(op, n, dt)
+        for r, op, n, dt in zip(d.ranks, d.ops, d.nbytes, d.dtypes, strict=True)
+        if r in culprits
+    }
+    majority_op = next(op for op, k in zip(d.ops, keys, strict=True) if k == top)
+    return _Finding(
+        group=d.group, seq=d.seq, culprits=culprits, members=len(d.ranks),
+        majority=_describe(majority_op, top[1], top[2]), theirs=theirs, what=what,
+        source="recorded", tie=tie,
+    )
+
+
+def _from_pending(
+    group: str,
+    entries: Sequence[tuple[int, GroupProgress, bool]],
+    members: int,
+    hang_us: int,
+    now_us: int,
+) -> list[_Finding]:
+    """Findings of one group from its members' heartbeats: (rank, progress, fresh) per member
+    that reported progress in the group; `members` is the group's size."""
+    pending = [(r, g, fresh) for r, g, fresh in entries if g.pending_op]
+    findings: list[_Finding] = []
+    by_seq: dict[int, list[tuple[int, GroupProgress]]] = {}
+    for r, g, _ in pending:
+        by_seq.setdefault(g.last_enqueued, []).append((r, g))
+    # 2. same sequence id, different ops
+    for seq, rows in sorted(by_seq.items()):
+        ops = [("p2p" if is_p2p_op(g.pending_op) else g.pending_op) for _, g in rows]
+        if len(set(ops)) < 2:
+            continue
+        counts = Counter(ops).most_common()
+        tie = counts[0][1] == counts[1][1]
+        top = counts[0][0]
+        culprits = tuple(sorted(r for (r, _), op in zip(rows, ops, strict=True)
+                                if tie or op != top))
+        findings.append(_Finding(
+            group=group, seq=seq, culprits=culprits, members=len(rows),
+            majority=f"{top} #{seq}",
+            theirs={r: f"{g.pending_op} #{seq}" for r, g in rows if r in culprits},
+            what="op", source="pending", tie=tie,
+        ))
+    if findings:
+        return findings
+    # 3. sequence shift: everyone reporting and pending here, a strict majority stalled on one id
+    if len(pending) != members or len(by_seq) < 2 or not all(fresh for *_, fresh in pending):
+        return findings
+    seq, rows = max(by_seq.items(), key=lambda kv: (len(kv[1]), -kv[0]))
+    if 2 * len(rows) <= members:
+        return findings
+    if not any(now_us - g.last_enqueue_us >= hang_us for _, g in rows):
+        return findings
+    op = rows[0][1].pending_op
+    culprits = tuple(sorted(r for r, g, _ in pending if g.last_enqueued != seq))
+    theirs = {
+        r: f"{g.pending_op} #{g.last_enqueued}" for r, g, _ in pending if r in culprits
+    }
+    findings.append(_Finding(
+        group=group, seq=seq, culprits=culprits, members=members, majority=f"{op} #{seq}",
+        theirs=theirs, what="sequence", source="pending", tie=False,
+        shift=next(g.last_enqueued for r, g, _ in pending if r == culprits[0]) - seq,
+    ))
+    return findings
+
+
+def _pending_findings(obs: Observation, settings: DetectionSettings) -> list[_Finding]:
+    snap = obs.snapshot
+    exited = {e.rank for e in snap.exits}
+    fresh_after = snap.now_us - int(settings.heartbeat_timeout_s * US_PER_S)
+    hang_us = int(settings.hang_after_s * US_PER_S)
+    by_group: dict[str, list[tuple[int, GroupProgress, bool]]] = {}
+    pending_groups: set[str] = set()
+    for hb in snap.heartbeats:
+        if hb.rank in exited:
+            continue
+        fresh = hb.time_us >= fresh_after
+        for g in hb.groups:
+            by_group.setdefault(g.group, []).append((int(hb.rank), g, fresh))
+            if g.pending_op:
+                pending_groups.add(g.group)
+    sizes: dict[str, int] = {}
+    for info in snap.groups:
+        sizes.setdefault(info.group, len(info.ranks))
+    findings: list[_Finding] = []
+    for group in sorted(pending_groups):
+        if is_p2p_group(group):
+            continue
+        entries = by_group[group]
+        size = max(sizes.get(group, 0), len(entries))
+        findings += _from_pending(group, entries, size, hang_us, snap.now_us)
+    return findings
+
+
+def _left_group(obs: Observation, f: _Finding) -> set[int]:
+    """The culprits of a tied finding not pending in its group while all the others are."""
+    pending = {
+        int(hb.rank): any(g.group == f.group and g.pending_op for g in hb.groups)
+        for hb in obs.snapshot.heartbeats if hb.rank in f.culprits
+    }
+    if len(pending) != len(f.culprits):
+        return set()
+    left = {r for r, p in pending.items() if not p}
+    return left if len(left) == 1 else set()
+
+
+def _what_words(f: _Finding) -> str:
+    return {
+        "op": "a different op",
+        "size": "a different size",
+        "dtype": "a different dtype",
+    }[f.what]
+
+
+def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | None:
+    """The ranks that differ from their group's majority (see the module docstring)."""
+    exempt = settings.mismatch_size_exempt_ops
+    findings = [
+        f for d in obs.disagreements if not is_p2p_group(d.group)
+        if (f := _from_disagreement(d, exempt)) is not None
+    ]
+    findings += _pending_findings(obs, settings)
+    if not findings:
+        return None
+    nodes = rank_nodes(obs.snapshot)
+    # A rank standing out in several collectives (or groups) is the likelier culprit.
+    votes: Counter[int] = Counter()
+    for f in findings:
+        for r in f.culprits:
+            votes[r] += 1 if f.tie else 2
+    decided = [f for f in findings if not f.tie]
+    if decided:
+        culprits = sorted({r for f in decided for r in f.culprits}, key=lambda r: (-votes[r], r))
+        lead = min(decided, key=lambda f: (-max(votes[r] for r in f.culprits), f.source,
+                                           f.group, f.seq))
+        minority = len(lead.culprits) / max(lead.members, 1)
+        confidence = 0.95 if len(lead.culprits) == 1 else 0.9 if minority < 0.34 else 0.75
+        if lead.what == "sequence":
+            confidence = min(confidence, 0.85)
+    else:
+        lead = findings[0]
+        # No majority: a member that left the group (it is no longer pending in it while the
+        # others wait there) issued fewer collectives than they did.
+        left = _left_group(obs, lead)
+        for r in left:
+            votes[r] += 1
+        culprits = sorted({r for f in findings for r in f.culprits}, key=lambda r: (-votes[r], r))
+        top = votes[culprits[0]]
+        confidence = 0.7 if sum(1 for r in culprits if votes[r] == top) == 1 else 0.5
+    cap = settings.max_evidence
+    evidence: list[Evidence] = []
+    for f in sorted(findings, key=lambda f: (f is not lead, f.tie, f.group, f.seq)):
+        for r in f.culprits:
+            if len(evidence) >= cap:
+                break
+            detail = (
+                f"rank {r} on node {nodes.get(r, 'unknown')} ran {f.theirs[r]} as "
+                f"#{f.seq} of group {f.group} while "
+                + (
+                    f"{f.members - len(f.culprits)} of its {f.members} peers ran {f.majority}"
+                    if not f.tie
+                    else f"the others ran {f.majority} (no majority)"
+                )
+            )
+            if f.what == "sequence":
+                detail = (
+                    f"rank {r} on node {nodes.get(r, 'unknown')} is pending in {f.theirs[r]} of "
+                    f"group {f.group} while {f.members - len(f.culprits)} of its {f.members} "
+                    f"peers are pending in {f.majority}"
+                )
+            evidence.append(Evidence(
+                fact=Fact.DIFFERS, rank=r, node=nodes.get(r, "unknown"), detail=detail,
+                group=f.group, seq=f.seq, value=float(f.members),
+            ))
+    ranks = tuple(culprits)
+    if lead.tie:
+        summary = (
+            f"the {lead.members} members of group {lead.group} disagree on collective "
+            f"#{lead.seq} ({', '.join(sorted(set(lead.theirs.values())))}); no majority "
+            f"singles out one: {who(ranks, nodes)}"
+        )
+    elif lead.what == "sequence":
+        more = "more" if lead.shift > 0 else "fewer"
+        summary = (
+            f"{who(ranks, nodes)} issued {abs(lead.shift)} collective(s) {more} than its peers "
+            f"in group {lead.group}: it is pending in {lead.theirs[lead.culprits[0]]} while "
+            f"{lead.members - len(lead.culprits)} of {lead.members} members are pending in "
+            f"{lead.majority}"
+        )
+    else:
+        summary = (
+            f"{who(ranks, nodes)} ran {_what_words(lead)} at collective #{lead.seq} of group "
+            f"{lead.group}: {lead.theirs[lead.culprits[0]]} while "
+            f"{lead.members - len(lead.culprits)} of {lead.members} members ran {lead.majority}"
+        )
+    return Verdict(
+        job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.MISMATCH,
+        culprit_ranks=ranks, culprit_nodes=ordered_nodes(ranks, nodes), confidence=confidence,
+        basis=Basis.MAJORITY_VOTE, summary=summary, evidence=tuple(evidence),
+        observed_at_us=obs.snapshot.now_us, group=lead.group,
+    )

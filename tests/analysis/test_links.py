@@ -1,0 +1,94 @@
+"""Slow link and slow node from point-to-point transfer times."""
+
+from __future__ import annotations
+
+import numpy as np
+from observation_builders import T0, S, links, observe, snapshot
+
+from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.links import detect_slow_link
+from tracehound.analysis.observation import Observation
+from tracehound.analysis.verdict import Basis, Fact
+from tracehound.tracing.events import IncidentKind
+from tracehound.tracing.summaries import LinkStats
+
+SETTINGS = DetectionSettings()
+NOW = T0 + 100 * S
+
+
+def pipeline_links(factor: dict[tuple[int, int], float] | None = None, *, seed: int = 0,
+                   slow_node: int = -1, node_factor: float = 1.0) -> list[tuple[int, int, float]]:
+    """64 ranks in 4 stages of 16: activations r -> r+16, gradients back; ~800 us each."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(48):
+        for src, dst in ((r, r + 16), (r + 16, r)):
+            t = 800.0 * (1 + 0.02 * rng.standard_normal())
+            t *= (factor or {}).get((src, dst), 1.0)
+            if slow_node in (src // 8, dst // 8):
+                t *= node_factor
+            rows.append((src, dst, t))
+    return rows
+
+
+def observation(stats: LinkStats) -> Observation:
+    return observe(snapshot(NOW, 64), links=stats)
+
+
+def test_the_slow_link_is_named_with_both_ends() -> None:
+    verdict = detect_slow_link(observation(links(pipeline_links({(5, 21): 2.5}))), SETTINGS)
+    assert verdict is not None
+    assert verdict.kind is IncidentKind.SLOW_LINK
+    assert verdict.basis is Basis.LINK_LATENCY
+    assert verdict.culprit_link == (5, 21)
+    assert verdict.culprit_ranks == (5, 21)
+    assert verdict.culprit_nodes == ("node-0", "node-2")
+    assert verdict.confidence == 0.9
+    assert verdict.summary.startswith(
+        "transfers from rank 5 on node node-0 to rank 21 on node node-2 took 1.98 ms")
+    assert "2.5x the median of 96 comparable inter-node links" in verdict.summary
+    assert [e.fact for e in verdict.evidence] == [Fact.SLOW_TRANSFER]
+
+
+def test_the_end_whose_other_links_are_slow_too_comes_first() -> None:
+    # Rank 21's other link (to 37) is a little slow as well: the receiver is the likelier culprit.
+    rows = pipeline_links({(5, 21): 2.5, (21, 37): 1.2, (37, 21): 1.2})
+    verdict = detect_slow_link(observation(links(rows)), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_link == (5, 21)
+    assert verdict.culprit_ranks == (21, 5)
+
+
+def test_a_node_whose_links_are_all_slow_is_blamed() -> None:
+    # node-3 (ranks 24..31, stage 1) talks to stage 0 and stage 2: two different peer nodes.
+    rows = pipeline_links(slow_node=3, node_factor=1.6)
+    verdict = detect_slow_link(observation(links(rows)), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_nodes == ("node-3",)
+    assert set(verdict.culprit_ranks) == set(range(24, 32))
+    assert verdict.confidence == 0.85
+    assert verdict.summary.startswith("the network of node node-3 is slow: 32 of 32 links")
+
+
+def test_one_hiccup_does_not_make_a_link_slow() -> None:
+    rows = pipeline_links()
+    stats = links(rows, n=12)
+    # link 0: one transfer of 30 ms among 12 of 0.8 ms
+    mean = stats.transfer_mean_us.copy()
+    peak = stats.transfer_max_us.copy()
+    mean[0] = (11 * 800.0 + 30_000.0) / 12
+    peak[0] = 30_000.0
+    hiccup = LinkStats(src=stats.src, dst=stats.dst, n=stats.n, transfer_mean_us=mean,
+                       transfer_max_us=peak)
+    assert detect_slow_link(observation(hiccup), SETTINGS) is None
+
+
+def test_healthy_links_give_no_verdict() -> None:
+    for seed in range(10):
+        assert detect_slow_link(observation(links(pipeline_links(seed=seed))), SETTINGS) is None
+
+
+def test_intra_node_links_are_not_compared_with_network_links() -> None:
+    # Fast NVLink pairs inside nodes (80 us) next to network pairs (800 us): nothing is slow.
+    rows = pipeline_links() + [(r, r + 1, 80.0 + r) for r in range(0, 64, 2)]
+    assert detect_slow_link(observation(links(rows)), SETTINGS) is None

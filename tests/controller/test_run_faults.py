@@ -1,0 +1,78 @@
+"""Every fault class that can be injected into a real gloo job here, localized end to end through
+`tracehound run`: hang, crash, a slowed rank (straggler) and an op mismatch, each on a real
+2 nodes x 2 ranks DDP job (faults injected from inside the training script), with the verdict
+read back from the store by `tracehound incidents`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def run_job(tmp_path: Path, job: str, *script_args: str) -> tuple[dict[str, Any], list[Any]]:
+    from tracehound.controller.demo import training_script
+
+    store = f"chdb://{tmp_path / 'store'}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "run", "--nnodes", "2",
+         "--nproc-per-node", "2", "--spare-nodes", "1", "--job-id", job, "--store", store,
+         "--workdir", str(tmp_path / "work"), "--timeout", "600", "--json",
+         training_script(), "--checkpoint-every", "25", "--pg-timeout-s", "300", *script_args],
+        capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert proc.stdout, proc.stderr[-3000:]
+    outcome: dict[str, Any] = json.loads(proc.stdout)
+    listed = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "incidents", "--job", job,
+         "--store", store, "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    return outcome, json.loads(listed.stdout)
+
+
+def test_hang_inside_a_rank(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "hang", "--steps", "120", "--step-sleep-ms", "20",
+                                 "--fault", "hang", "--fault-rank", "1", "--fault-step", "40")
+    assert outcome["completed"] is True, outcome
+    assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"]) for i in incidents] == [
+        ("hang", [1], ["node-0"])]
+
+
+def test_crash_of_a_rank(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "crash", "--steps", "120", "--step-sleep-ms", "20",
+                                 "--fault", "crash", "--fault-rank", "2", "--fault-step", "40")
+    assert outcome["completed"] is True, outcome
+    assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"]) for i in incidents] == [
+        ("crash", [2], ["node-1"])]
+
+
+def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "straggler", "--steps", "500", "--step-sleep-ms",
+                                 "10", "--fault", "slow", "--slow-ms", "40", "--fault-rank", "3",
+                                 "--fault-step", "20")
+    assert outcome["completed"] is True, outcome
+    kinds = [(i["kind"], i["culprit_ranks"][0], i["culprit_nodes"][0]) for i in incidents]
+    assert kinds == [("straggler", 3, "node-1"), ("straggler", 3, "node-1")]
+    assert [a["kind"] for a in incidents[0]["actions"]] == ["observe"]
+    assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "isolate_node",
+                                                            "restart"]
+
+
+def test_op_mismatch_names_the_odd_rank_and_stops(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "mismatch", "--steps", "200", "--step-sleep-ms",
+                                 "10", "--fault", "mismatch", "--fault-rank", "2",
+                                 "--fault-step", "30")
+    assert outcome["completed"] is False
+    (incident,) = incidents
+    assert incident["kind"] == "mismatch"
+    assert incident["culprit_ranks"][0] == 2
+    assert incident["culprit_nodes"][0] == "node-1"
+    assert [a["kind"] for a in incident["actions"]] == ["stop_job", "give_up"]
