@@ -1,0 +1,349 @@
+"""Diagnosis benchmark: how often the analysis names the right fault and the right rank.
+
+Runs seeded simulated scenarios (`tracehound.analysis.simulate`) of every fault class and healthy
+runs, 64 to 4,096 ranks, through `diagnose_observation` and scores the verdicts:
+
+- top1: fraction of a class's scenarios whose verdict names a true culprit first (for a slow
+  link either end of the link, for a slow node or a hardware fault any rank of that node);
+- recall: fraction of a class's scenarios with a verdict of that kind and a right top-1;
+- precision: among all verdicts of that kind over all scenarios, the fraction that were right
+  (right kind and right top-1); null when no verdict of that kind was given;
+- healthy_fp_rate: fraction of healthy runs with any verdict.
+
+It also times ONE `diagnose_observation` call on a healthy window of 1,024, 10,240 and 32,768
+ranks, pinned to one core (the observation is built outside the timed region), and with
+`--store chdb` runs one scenario per class through a trace store (`write_to_store`, then the
+store's SQL summaries via `load_observation`) to show that both paths give the same summaries
+and the same verdicts.
+
+    .venv/bin/python bench/diagnosis.py                # readable table (about 5 minutes)
+    .venv/bin/python bench/diagnosis.py --json         # ONE JSON object on stdout
+    .venv/bin/python bench/diagnosis.py --quick        # a smaller sample, under a minute
+    .venv/bin/python bench/diagnosis.py --store chdb   # also the store path
+
+Progress and the confusion summary go to stderr. Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One core: set before numpy loads its BLAS.
+os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+os.environ["OPENBLAS_NUM_THREADS"] = os.environ.get("OPENBLAS_NUM_THREADS", "1")
+os.environ["MKL_NUM_THREADS"] = os.environ.get("MKL_NUM_THREADS", "1")
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.observation import Observation, load_observation
+from tracehound.analysis.simulate import FAULT_KINDS, SimulatedJob, simulate, write_to_store
+from tracehound.analysis.verdict import Verdict
+from tracehound.tracing import summaries
+from tracehound.tracing.store import open_store
+
+CLASSES = tuple(k.value for k in FAULT_KINDS)
+HEALTHY = "healthy"
+RANKS = (64, 128, 256, 512, 1024, 2048, 4096)
+RANK_WEIGHTS = (0.2, 0.2, 0.2, 0.15, 0.12, 0.08, 0.05)
+QUICK_RANKS = (64, 128, 256, 512)
+QUICK_WEIGHTS = (0.3, 0.3, 0.25, 0.15)
+TIMED_RANKS = (1024, 10_240, 32_768)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    cls: str
+    variant: str
+    ranks: int
+    seed: int
+    verdict_kind: str | None
+    top1_right: bool
+    named: int | None
+    truth: tuple[int, ...]
+    seconds: float
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def plan(quick: bool) -> list[tuple[str, int, int]]:
+    """(class, seed, ranks) of every scenario, deterministic."""
+    per_class, healthy = (5, 9) if quick else (36, 60)
+    ranks, weights = (QUICK_RANKS, QUICK_WEIGHTS) if quick else (RANKS, RANK_WEIGHTS)
+    rng = np.random.default_rng(20_240)
+    out: list[tuple[str, int, int]] = []
+    for ci, cls in enumerate((*CLASSES, HEALTHY)):
+        for i in range(healthy if cls == HEALTHY else per_class):
+            n = int(rng.choice(ranks, p=np.asarray(weights) / sum(weights)))
+            out.append((cls, 1_000 * (ci + 1) + i, n))
+    return out
+
+
+def right(sim: SimulatedJob, verdict: Verdict | None) -> bool:
+    if verdict is None or not verdict.culprit_ranks:
+        return False
+    rank = verdict.culprit_ranks[0]
+    return sim.truth.accepts(rank, sim.rank_nodes.get(rank, ""))
+
+
+def run_one(cls: str, seed: int, ranks: int) -> Outcome:
+    started = time.perf_counter()
+    sim = simulate(ranks=ranks, fault=None if cls == HEALTHY else cls, seed=seed)
+    verdict = diagnose_observation(sim.observation())
+    return Outcome(
+        cls=cls, variant=sim.truth.variant, ranks=ranks, seed=seed,
+        verdict_kind=verdict.kind.value if verdict else None,
+        top1_right=right(sim, verdict),
+        named=verdict.culprit_ranks[0] if verdict and verdict.culprit_ranks else None,
+        truth=sim.truth.culprit_ranks[:3], seconds=time.perf_counter() - started,
+    )
+
+
+def score(outcomes: list[Outcome]) -> dict[str, Any]:
+    classes: dict[str, dict[str, Any]] = {}
+    for cls in CLASSES:
+        mine = [o for o in outcomes if o.cls == cls]
+        given = [o for o in outcomes if o.verdict_kind == cls]
+        n = len(mine)
+        classes[cls] = {
+            "top1": _ratio(sum(o.top1_right for o in mine), n),
+            "precision": _ratio(sum(o.cls == cls and o.top1_right for o in given), len(given)),
+            "recall": _ratio(sum(o.verdict_kind == cls and o.top1_right for o in mine), n),
+            "n": n,
+        }
+    healthy = [o for o in outcomes if o.cls == HEALTHY]
+    return {
+        "classes": classes,
+        "healthy_fp_rate": _ratio(sum(o.verdict_kind is not None for o in healthy),
+                                  len(healthy)),
+        "healthy_n": len(healthy),
+    }
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return round(num / den, 3) if den else None
+
+
+def confusion(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
+    """Per true class: how many verdicts of each kind ("none": no verdict), and how many of the
+    right kind named a wrong rank first ("<kind>:wrong_rank")."""
+    out: dict[str, dict[str, int]] = {}
+    for cls in (*CLASSES, HEALTHY):
+        counts: Counter[str] = Counter()
+        for o in outcomes:
+            if o.cls != cls:
+                continue
+            kind = o.verdict_kind or "none"
+            counts[kind] += 1
+            if o.verdict_kind == cls and not o.top1_right:
+                counts[f"{kind}:wrong_rank"] += 1
+        out[cls] = dict(sorted(counts.items()))
+    return out
+
+
+def by_variant(outcomes: list[Outcome]) -> dict[str, dict[str, str]]:
+    """Per class and variant: right verdicts (kind and top-1) out of scenarios."""
+    table: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for o in outcomes:
+        cell = table[o.cls][o.variant]
+        cell[1] += 1
+        ok = o.verdict_kind is None if o.cls == HEALTHY else (
+            o.verdict_kind == o.cls and o.top1_right)
+        cell[0] += ok
+    return {cls: {v: f"{a}/{b}" for v, (a, b) in sorted(vs.items())}
+            for cls, vs in table.items()}
+
+
+@contextmanager
+def one_core() -> Iterator[None]:
+    getter = getattr(os, "sched_getaffinity", None)
+    setter = getattr(os, "sched_setaffinity", None)
+    if getter is None or setter is None:
+        yield
+        return
+    before = getter(0)
+    setter(0, {min(before)})
+    try:
+        yield
+    finally:
+        setter(0, before)
+
+
+def analysis_seconds(sizes: tuple[int, ...]) -> dict[str, float]:
+    """Wall time of ONE diagnose_observation call per size (healthy window: every detector
+    runs to the end), after a warm-up call on a small window."""
+    diagnose_observation(simulate(ranks=64, fault=None, seed=1).observation())
+    out: dict[str, float] = {}
+    for n in sizes:
+        sim = simulate(ranks=n, fault=None, seed=7)
+        obs = sim.observation()
+        rows = len(sim.columns)
+        del sim
+        gc.collect()
+        with one_core():
+            started = time.perf_counter()
+            diagnose_observation(obs)
+            out[str(n)] = round(time.perf_counter() - started, 3)
+        say(f"analysis time {n} ranks ({rows} collective rows): {out[str(n)]} s")
+        del obs
+        gc.collect()
+    return out
+
+
+# -- the store path ---------------------------------------------------------------------------
+
+
+def store_check(url: str | None) -> dict[str, Any]:
+    """One scenario per class (and a healthy one) through a trace store: the store's summaries
+    and verdict against the numpy ones over the same windows."""
+    store_url = url if url and url != "chdb" else f"chdb://{tempfile.mkdtemp(prefix='th-')}"
+    results: list[dict[str, Any]] = []
+    store = open_store(store_url)
+    try:
+        for i, cls in enumerate((*CLASSES, HEALTHY)):
+            sim = simulate(ranks=(64, 128, 256)[i % 3], fault=None if cls == HEALTHY else cls,
+                           seed=90_000 + i)
+            started = time.perf_counter()
+            write_to_store(sim, store)
+            wrote = time.perf_counter() - started
+            window_s = -(-(sim.now_us - sim.window_start_us) // 1_000_000)
+            node_window_s = max(1.0, window_s / 4)
+            from_store = load_observation(
+                store, job=sim.job, attempt=sim.attempt, now_us=sim.now_us,
+                window_s=window_s, node_window_s=node_window_s, expected_ranks=sim.rank_nodes)
+            from_numpy = numpy_like_store(sim, window_s=window_s, node_window_s=node_window_s)
+            same = compare(from_store, from_numpy)
+            v_store = diagnose_observation(from_store)
+            v_numpy = diagnose_observation(from_numpy)
+            agree = (v_store is None and v_numpy is None) or (
+                v_store is not None and v_numpy is not None and v_store.kind == v_numpy.kind
+                and v_store.culprit_ranks == v_numpy.culprit_ranks)
+            results.append({
+                "class": cls, "ranks": sim.topology.ranks, "rows": len(sim.columns),
+                "write_s": round(wrote, 3), "summaries_equal": same,
+                "verdicts_equal": agree, "verdict": v_store.kind.value if v_store else None,
+                "right": right(sim, v_store) if cls != HEALTHY else v_store is None,
+            })
+            say(f"store {cls}: {results[-1]}")
+    finally:
+        store.close()
+    return {"scenarios": results,
+            "all_equal": all(r["summaries_equal"] and r["verdicts_equal"] for r in results)}
+
+
+def numpy_like_store(sim: SimulatedJob, *, window_s: int, node_window_s: float) -> Observation:
+    """The observation `load_observation` reads, computed with the numpy summaries."""
+    end = sim.now_us
+    start = end - window_s * 1_000_000
+    cols = sim.columns
+    nodes = sorted(set(sim.rank_nodes.values()))
+    return Observation(
+        snapshot=sim.snapshot(), window_start_us=start, window_end_us=end,
+        ranks=summaries.rank_stats(cols, start, end),
+        links=summaries.link_stats(cols, start, end),
+        disagreements=summaries.disagreements(cols, start, end),
+        stacks=tuple(sorted((s for s in sim.stacks if s.time_us >= start),
+                            key=lambda s: s.rank)),
+        health=tuple(sorted((h for h in sim.health
+                             if h.node in nodes and start <= h.time_us < end),
+                            key=lambda h: h.time_us)),
+        node_windows=summaries.node_windows(cols, sim.rank_nodes, end - 4 * window_s * 1_000_000,
+                                            end, int(node_window_s * 1_000_000)),
+    )
+
+
+def compare(a: Observation, b: Observation) -> bool:
+    def arrays(x: Any) -> list[Any]:
+        return [getattr(x, f) for f in x.__slots__] if x is not None else []
+
+    ok = all(np.allclose(p, q, equal_nan=True) for p, q in
+             zip(arrays(a.ranks) + arrays(a.links), arrays(b.ranks) + arrays(b.links),
+                 strict=True))
+    ok &= set(a.disagreements) == set(b.disagreements)
+    if a.node_windows is not None and b.node_windows is not None:
+        ok &= a.node_windows.nodes == b.node_windows.nodes and np.allclose(
+            a.node_windows.features, b.node_windows.features, equal_nan=True)
+    ok &= len(a.stacks) == len(b.stacks) and len(a.health) == len(b.health)
+    ok &= len(a.snapshot.heartbeats) == len(b.snapshot.heartbeats)
+    return bool(ok)
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="a smaller sample (< 1 minute)")
+    parser.add_argument("--store", help="also run the store path: 'chdb' (a temporary embedded "
+                                        "store) or a ClickHouse server URL")
+    parser.add_argument("--no-timing", action="store_true", help="skip the analysis timings")
+    args = parser.parse_args()
+    started = time.monotonic()
+    scenarios = plan(args.quick)
+    say(f"{len(scenarios)} scenarios")
+    outcomes: list[Outcome] = []
+    for i, (cls, seed, ranks) in enumerate(scenarios):
+        o = run_one(cls, seed, ranks)
+        outcomes.append(o)
+        mark = "ok" if (o.verdict_kind is None if cls == HEALTHY else
+                        o.verdict_kind == cls and o.top1_right) else "MISS"
+        say(f"[{i + 1}/{len(scenarios)}] {cls}/{o.variant} {ranks} ranks seed {seed}: "
+            f"{o.verdict_kind} named {o.named} (truth {list(o.truth)}) "
+            f"{o.seconds:.2f} s {mark}")
+    result = score(outcomes)
+    result["analysis_s"] = {} if args.no_timing else analysis_seconds(TIMED_RANKS)
+    result["confusion"] = confusion(outcomes)
+    result["by_variant"] = by_variant(outcomes)
+    result["scenarios"] = len(outcomes)
+    result["quick"] = args.quick
+    if args.store:
+        result["store"] = store_check(args.store)
+    result["elapsed_s"] = round(time.monotonic() - started, 1)
+    say("confusion (true class -> verdict kinds):")
+    for cls, counts in result["confusion"].items():
+        say(f"  {cls:12} {counts}")
+    say("right verdicts by variant:")
+    for cls, variants in result["by_variant"].items():
+        say(f"  {cls:12} {variants}")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(table(result))
+    return 0
+
+
+def table(result: dict[str, Any]) -> str:
+    def fmt(x: float | None) -> str:
+        return "  -  " if x is None else f"{x:5.2f}"
+
+    lines = [f"{'class':12} {'n':>4} {'top1':>6} {'prec':>6} {'recall':>6}"]
+    for cls, m in result["classes"].items():
+        lines.append(f"{cls:12} {m['n']:4d} {fmt(m['top1']):>6} {fmt(m['precision']):>6} "
+                     f"{fmt(m['recall']):>6}")
+    lines.append(f"healthy false-positive rate: {fmt(result['healthy_fp_rate'])} "
+                 f"(n={result['healthy_n']})")
+    for n, s in result["analysis_s"].items():
+        lines.append(f"diagnose_observation at {n} ranks: {s:.3f} s")
+    if "store" in result:
+        lines.append(f"store path agrees with numpy path: {result['store']['all_equal']}")
+    lines.append(f"{result['scenarios']} scenarios in {result['elapsed_s']} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
