@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
                "--job-id s7\n  tracehound diagnose --job s7",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sim.add_argument("--ranks", type=int, required=True, help="ranks in the job (64 to 32768)")
+    sim.add_argument("--ranks", type=int, required=True, help="ranks in the job (8 to 32768)")
     sim.add_argument("--fault", required=True, metavar="CLASS",
                      help="hang, crash, mismatch, straggler, slow_link, hardware, silent_hang "
                           "or healthy")
