@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from tracehound.analysis.snapshot import JobSnapshot
-from tracehound.tracing.summaries import F64, P2P_MARK, RECV_OPS, SEND_OPS
+from tracehound.tracing.summaries import F64, P2P_MARK, RECV_OPS, SEND_OPS, RankStats
 
 US_PER_S = 1_000_000
 
@@ -57,6 +58,33 @@ def groups_of(members: Mapping[str, frozenset[int]], ranks: Iterable[int]) -> di
         for r in wanted & ms:
             out[r].append(group)
     return out
+
+
+def collective_interval(stats: RankStats, judged: npt.NDArray[np.bool_]) -> float:
+    """The median judged rank's time between collectives, outside them: its compute (and
+    bubbles). From the spread of the rank's own arrivals, not the window's length: a job that
+    started (or paused) inside the window would otherwise look sparser than it is."""
+    spacing = stats.span_us.astype(np.float64) / np.maximum(stats.n - 1.0, 1.0)
+    return float(np.median(spacing[judged])) - float(np.median(stats.wait_mean_us[judged]))
+
+
+def collective_groups(snap: JobSnapshot,
+                      members: Mapping[str, frozenset[int]]) -> dict[str, frozenset[int]]:
+    """The groups of `members` that may carry collectives: not point-to-point pair groups, and
+    not groups that every heartbeat reporting them shows without a single collective (a
+    pipeline group whose traffic all goes through its pair groups). Groups no heartbeat
+    reports are kept: nothing says they are idle."""
+    reported: set[str] = set()
+    active: set[str] = set()
+    for hb in snap.heartbeats:
+        for g in hb.groups:
+            reported.add(str(g.group))
+            if g.last_enqueued > 0:
+                active.add(str(g.group))
+    return {
+        g: m for g, m in members.items()
+        if not is_p2p_group(g) and (g in active or g not in reported)
+    }
 
 
 def is_p2p_group(group: str) -> bool:

@@ -11,6 +11,9 @@ evidence is:
 - A hardware health event on the culprit node of a hang, silent hang, slow link, straggler or
   node outlier turns that verdict into a hardware verdict on that node. Among the anomalies
   without a hang, any one so correlated wins over the uncorrelated ones.
+- A slow node (every rank of one node late at its inter-node collectives, none of them late
+  within it) gives a hardware verdict only with a health event on that node, and only when no
+  other detector fired: a straggler or a slow link makes the nodes of its pipeline late too.
 - The machine-level outlier model corroborates a straggler or slow link on the node it flags
   (a little more confidence and its evidence), and stands alone only when nothing else fired.
 
@@ -22,7 +25,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang
-from tracehound.analysis.hardware import correlate_hardware, with_health_evidence
+from tracehound.analysis.hardware import (
+    correlate_hardware,
+    detect_slow_node,
+    with_health_evidence,
+)
 from tracehound.analysis.links import detect_slow_link
 from tracehound.analysis.mismatch import detect_mismatch
 from tracehound.analysis.observation import Observation
@@ -81,4 +88,6 @@ def diagnose_observation(obs: Observation,
         hardware = correlate_hardware(verdict, obs, settings)
         if hardware is not None:
             return hardware
-    return anomalies[0] if anomalies else None
+    if anomalies:
+        return anomalies[0]
+    return detect_slow_node(obs, settings)

@@ -14,6 +14,21 @@ full speed there, and evicting on every ECC warning would evict healthy nodes (t
 monitor's own policy handles those). A crash and a mismatch keep their kind; a crash only gains
 the health events of its node as evidence.
 
+A slow node (`detect_slow_node`) is the one anomaly too spread out for the other detectors: a
+fault that slows every GPU of a node alike (degraded NVLink slowing its tensor-parallel
+collectives, a node-wide power cap) leaves no rank last within its node, no link slow, and only
+one node of many late. Its ranks then arrive late at the collectives they share with other
+nodes (data parallel), window after window. With a health event on that node, this is a
+hardware verdict; without one it is no verdict (the machine-level outlier model judges nodes on
+their own). Per node and window (`Observation.node_windows`) its mean lateness is compared with
+the median of the nodes it shares a collective group with (groups spanning more than half the
+job left out: they mix every pipeline stage, as do groups that carried no collective); it must
+exceed it by `straggler_min_lateness_us` and `straggler_min_slowdown` of the median rank's time
+between collectives in every one of the last `outlier_windows` windows (at least
+`outlier_min_flagged` of them with rows), so a one-off pause (GC, I/O) never counts. The nodes
+that share a pipeline with the slow node wait for it and are late too: the health event tells
+them apart, which is why this check only runs when no sharper anomaly fired.
+
 Pure: no I/O, no clock.
 """
 
@@ -22,7 +37,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tracehound.analysis.common import US_PER_S, rank_nodes, who
+import numpy as np
+
+from tracehound.analysis.common import (
+    US_PER_S,
+    collective_groups,
+    collective_interval,
+    group_members,
+    ms,
+    node_ranks,
+    rank_nodes,
+    who,
+)
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
@@ -118,3 +144,92 @@ def with_health_evidence(verdict: Verdict, obs: Observation,
     if not extra:
         return verdict
     return replace(verdict, evidence=verdict.evidence + tuple(extra))
+
+
+def _late_windows(obs: Observation, node: str, nodes: dict[int, str],
+                  settings: DetectionSettings, interval: float) -> list[tuple[float, float]]:
+    """(node lateness, peer median) per recent window when the node is late in every one of
+    them (see the module docstring), else []."""
+    windows = obs.node_windows
+    if windows is None or node not in windows.nodes:
+        return []
+    mine = frozenset(node_ranks(nodes).get(node, ()))
+    half = len(nodes) / 2
+    peers: set[str] = set()
+    for members in collective_groups(obs.snapshot, group_members(obs.snapshot)).values():
+        if len(members) <= half and members & mine:
+            peers.update(nodes.get(r, "") for r in members - mine)
+    index = {n: i for i, n in enumerate(windows.nodes)}
+    cols = [index[p] for p in sorted(peers) if p in index]
+    if not cols:
+        return []
+    lateness = windows.features[-settings.outlier_windows:, :, 0]
+    own = lateness[:, index[node]]
+    seen = ~np.isnan(own)
+    if int(seen.sum()) < settings.outlier_min_flagged:
+        return []
+    margin = max(settings.straggler_min_lateness_us, settings.straggler_min_slowdown * interval)
+    out: list[tuple[float, float]] = []
+    for w in np.flatnonzero(seen):
+        theirs = lateness[w, cols]
+        theirs = theirs[~np.isnan(theirs)]
+        if theirs.size == 0:
+            return []
+        center = float(np.median(theirs))
+        if float(own[w]) - center < margin:
+            return []
+        out.append((float(own[w]), center))
+    return out
+
+
+def detect_slow_node(obs: Observation, settings: DetectionSettings) -> Verdict | None:
+    """A hardware verdict on a node with a health event whose ranks arrive late at the
+    collectives they share with other nodes in every recent window (see the module docstring)."""
+    stats = obs.ranks
+    if stats is None or obs.node_windows is None:
+        return None
+    events = health_events(obs, settings)
+    if not events:
+        return None
+    judged = stats.n >= settings.straggler_min_collectives
+    if not judged.any():
+        return None
+    interval = collective_interval(stats, judged)
+    if interval <= 0:
+        return None
+    nodes = rank_nodes(obs.snapshot)
+    found: list[tuple[int, float, str, list[tuple[float, float]]]] = []
+    for node, samples in events.items():
+        late = _late_windows(obs, node, nodes, settings, interval)
+        if late:
+            excess = min(own - center for own, center in late)
+            found.append((-_SEVERITY[samples[0].severity], -excess, node, late))
+    if not found:
+        return None
+    found.sort()
+    _, _, node, late = found[0]
+    ranks = tuple(node_ranks(nodes).get(node, ()))
+    first = ranks[0] if ranks else -1
+    excess = min(own - center for own, center in late)
+    critical = events[node][0].severity is HealthSeverity.CRITICAL
+    late_words = (
+        f"the ranks of node {node} arrived {ms(sum(o for o, _ in late) / len(late))} after the "
+        f"first member on average in each of the last {len(late)} windows, at least "
+        f"{ms(excess)} later than the median of the nodes they share collective groups with "
+        f"({excess / interval:.0%} of the time between collectives); no rank of it stands out "
+        "within the node"
+    )
+    evidence = _health_evidence(events[node], obs, first, 4) + [
+        Evidence(fact=Fact.LATE, rank=first, node=node,
+                 detail=f"window {i + 1}: node lateness {ms(own)}, its peer nodes' median "
+                        f"{ms(center)}",
+                 value=round((own - center) / US_PER_S, 6))
+        for i, (own, center) in enumerate(late)
+    ]
+    return Verdict(
+        job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.HARDWARE,
+        culprit_ranks=ranks, culprit_nodes=(node,), confidence=0.8 if critical else 0.7,
+        basis=Basis.HEALTH_CORRELATION,
+        summary=f"{_event_words(events[node][0], obs)} coincides with a slow node: {late_words}",
+        evidence=tuple(evidence[: settings.max_evidence]), observed_at_us=obs.snapshot.now_us,
+    )

@@ -11,10 +11,15 @@ stalled for 300 ms) does not make a link slow, while a consistently slow link st
 A node is judged on all its links together, so each needs less margin (`link_node_min_ratio`):
 when such slow links reach at least two different peers of a node and make up
 `link_node_fraction` of its links, the node (its NIC, its switch port) is blamed.
-Where two nodes qualify alike (all links of one pipeline boundary run between them), both are
-named with confidence 0.5, the one whose ranks wait longer inside collectives first. That order
-is a weak hint only (a slow NIC slows its node's inter-node collectives, but a rank's mean wait
-mixes those with its pipeline position); the window summaries do not separate the two sides.
+Where two nodes qualify alike (all links of one pipeline boundary run between them), the links
+cannot tell the sides apart; the node's other traffic can: a slow NIC also slows the node's
+inter-node collectives (its data-parallel all-reduces), and with them every collective of its
+groups. Both nodes are named with confidence 0.5, the one whose collectives take longer first,
+measured per rank as wait + lateness (mean time inside a collective plus mean arrival after its
+first member): that is the time from a collective's first arrival to its completion, the same
+for every member whatever its own arrival, so it measures the collectives, not the rank's place
+in the pipeline (its mean wait alone does not: the last pipeline stage waits longest in the
+world all-reduce). Collectives of different stages may differ in size, so the order stays a hint.
 Otherwise the slowest link is: both its ranks, the one whose other links are slower first (the
 sender when nothing tells them apart).
 
@@ -49,13 +54,17 @@ def _other_links_ratio(rank: int, skip: tuple[int, int], *, src: I64, dst: I64, 
     return float(np.median(others)) if others.size else 1.0
 
 
-def _mean_wait(obs: Observation, node: str, nodes: dict[int, str]) -> float:
-    """Mean time the node's ranks spent inside collectives (0 without rank statistics)."""
+def _collective_time(obs: Observation, node: str, nodes: dict[int, str]) -> float:
+    """Mean over the node's ranks of wait + lateness: how long their collectives took from the
+    first member's arrival to completion, whatever the rank's own arrival (0 without rank
+    statistics)."""
     stats = obs.ranks
     if stats is None:
         return 0.0
     on = np.array([nodes.get(int(r)) == node for r in stats.rank], dtype=np.bool_)
-    return float(stats.wait_mean_us[on].mean()) if on.any() else 0.0
+    if not on.any():
+        return 0.0
+    return float((stats.wait_mean_us[on] + stats.lateness_mean_us[on]).mean())
 
 
 def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict | None:
@@ -143,8 +152,8 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
     tied = [c for c in qualified if slow_touch[c] == most]
     if len(tied) > 1:
         # Two nodes whose links all go to each other (one pipeline boundary): a slow NIC also
-        # slows its node's other inter-node collectives, so its ranks wait longer in them.
-        tied.sort(key=lambda c: (-_mean_wait(obs, names[c], nodes), names[c]))
+        # slows its node's inter-node collectives, so the collectives of its ranks take longer.
+        tied.sort(key=lambda c: (-_collective_time(obs, names[c], nodes), names[c]))
     best_node = tied[0] if tied else -1
 
     job, attempt, now = obs.snapshot.job, obs.snapshot.attempt, obs.snapshot.now_us
@@ -172,6 +181,12 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
                 f"; so are those of node(s) {', '.join(others)}, whose links all go to it: "
                 "either side's network may be the slow one"
             )
+            if obs.ranks is not None:
+                summary += (
+                    f" (its ranks' collectives take {ms(_collective_time(obs, node, nodes))} "
+                    "from first arrival to completion, those of "
+                    f"{others[0]} {ms(_collective_time(obs, others[0], nodes))})"
+                )
         return Verdict(
             job=job, attempt=attempt, kind=IncidentKind.SLOW_LINK, culprit_ranks=tuple(ranks),
             culprit_nodes=(node, *others), confidence=0.5 if others else 0.85,

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tracehound.analysis.common import (
+    collective_interval,
     group_members,
     groups_of,
     ms,
@@ -84,11 +85,7 @@ def detect_straggler(obs: Observation, settings: DetectionSettings) -> Verdict |
     p0 = float(np.clip(np.median(fraction[judged]), 1e-3, 0.999))
     z_last = (last - n * p0) / np.sqrt(np.maximum(n * p0 * (1.0 - p0), 1e-9))
     center = float(np.median(lateness[judged]))
-    # the median rank's time between collectives, outside them: its compute (and bubbles). From
-    # the spread of the rank's own arrivals, not the window's length: a job that started (or
-    # paused) inside the window would otherwise look sparser than it is.
-    spacing = stats.span_us.astype(np.float64) / np.maximum(n - 1.0, 1.0)
-    interval = float(np.median(spacing[judged])) - float(np.median(stats.wait_mean_us[judged]))
+    interval = collective_interval(stats, judged)
     consistent = (
         judged
         & (z_last >= settings.straggler_min_last_z)

@@ -10,7 +10,7 @@ from tracehound.analysis.links import detect_slow_link
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import IncidentKind
-from tracehound.tracing.summaries import LinkStats
+from tracehound.tracing.summaries import LinkStats, RankStats
 
 SETTINGS = DetectionSettings()
 NOW = T0 + 100 * S
@@ -92,3 +92,42 @@ def test_intra_node_links_are_not_compared_with_network_links() -> None:
     # Fast NVLink pairs inside nodes (80 us) next to network pairs (800 us): nothing is slow.
     rows = pipeline_links() + [(r, r + 1, 80.0 + r) for r in range(0, 64, 2)]
     assert detect_slow_link(observation(links(rows)), SETTINGS) is None
+
+
+def boundary_stats(wait: dict[int, float], lateness: dict[int, float]) -> RankStats:
+    """RankStats of 64 ranks: 1 ms mean wait and 0.2 ms mean lateness unless given per node."""
+    ranks = np.arange(64, dtype=np.int64)
+    return RankStats(
+        rank=ranks, n=np.full(64, 200, dtype=np.int64),
+        lateness_mean_us=np.array([lateness.get(int(r) // 8, 200.0) for r in ranks]),
+        last_count=np.full(64, 25, dtype=np.int64),
+        wait_mean_us=np.array([wait.get(int(r) // 8, 1_000.0) for r in ranks]),
+        span_us=np.full(64, 10 * S, dtype=np.int64),
+    )
+
+
+def test_at_a_pipeline_boundary_the_node_whose_collectives_take_longer_comes_first() -> None:
+    # Two stages of 32 ranks: r <-> r + 32, so node-0's links all go to node-4 and back. Every
+    # one of them is slow: the links cannot tell node-0 from node-4.
+    rows = []
+    for r in range(32):
+        for src, dst in ((r, r + 32), (r + 32, r)):
+            rows.append((src, dst, (2_000.0 if r < 8 else 800.0) + 3.0 * r))
+    # node-0's ranks (the last stage of their pipeline here) wait longest in the world
+    # all-reduce, but they arrive early: from first arrival to completion, node-4's collectives
+    # (its slow NIC slows its data-parallel all-reduces) take longer.
+    stats = boundary_stats(wait={0: 9_000.0, 4: 6_000.0}, lateness={0: 200.0, 4: 4_000.0})
+    obs = observe(snapshot(NOW, 64), links=links(rows), ranks=stats)
+    verdict = detect_slow_link(obs, SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_nodes == ("node-4", "node-0")
+    assert set(verdict.culprit_ranks) == set(range(32, 40))
+    assert verdict.confidence == 0.5
+    assert "either side's network may be the slow one (its ranks' collectives take 10.0 ms " \
+           "from first arrival to completion, those of node-0 9.20 ms)" in verdict.summary
+    # ...and the other way round when node-0's collectives are the slow ones.
+    flipped = observe(snapshot(NOW, 64), links=links(rows),
+                      ranks=boundary_stats(wait={0: 9_000.0, 4: 6_000.0},
+                                           lateness={0: 2_000.0, 4: 200.0}))
+    other = detect_slow_link(flipped, SETTINGS)
+    assert other is not None and other.culprit_nodes == ("node-0", "node-4")
