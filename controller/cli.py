@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -320,9 +321,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _terminate(signum: int, _frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` runs and no rank is left behind."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logs.configure(args.log_level)
+    signal.signal(signal.SIGTERM, _terminate)
     handlers = {"demo": cmd_demo, "run": cmd_run, "incidents": cmd_incidents,
                 "diagnose": cmd_diagnose, "simulate": cmd_simulate}
     try:

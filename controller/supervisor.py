@@ -63,6 +63,8 @@ class SupervisorSettings:
     """Give up on the whole run after this long (None: never)."""
     window_s: float = 10.0
     """Length of the detection window of collective summaries (stragglers, links, mismatches)."""
+    summaries_every_s: float = 2.0
+    """How often the window summaries are computed; crashes and hangs are checked every poll."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,6 +159,7 @@ class Supervisor:
         """None when the attempt finished cleanly, a verdict when it failed, or a reason to stop."""
         clean: set[int] = set()
         rank_nodes = plan.rank_nodes()
+        last_summaries_us = 0
         timeout_us = (
             int(self.settings.timeout_s * 1e6) if self.settings.timeout_s is not None else None
         )
@@ -171,11 +174,15 @@ class Supervisor:
             now = self.clock()
             if timeout_us is not None and now - started_us > timeout_us:
                 return f"timed out after {self.settings.timeout_s:.0f} s"
+            refresh = now - last_summaries_us >= int(self.settings.summaries_every_s * 1e6)
             try:
                 obs = load_observation(
                     self.store, job=plan.job, attempt=plan.attempt, now_us=now,
                     window_s=self.settings.window_s, expected_ranks=rank_nodes,
+                    summaries=refresh,
                 )
+                if refresh:
+                    last_summaries_us = now
             except TemporaryStoreError as exc:
                 self.log.warning("store unavailable, analysis paused: %s", exc)
                 continue

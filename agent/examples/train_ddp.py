@@ -128,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             start = resumed
             print(f"rank {rank}/{world}: resumed from step {start}", flush=True)
 
+    timed_from, timed_at = 0.0, start
     for step in range(start, args.steps):
+        if step == start + 1:  # time steady-state steps: the first one warms up
+            timed_from, timed_at = time.perf_counter(), step
         inject(args, rank, step)
         x, y = batch_for(step, rank, args.batch, args.width)
         optimizer.zero_grad()
@@ -152,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         ):
             checkpoint.save(state(), done)
 
+    timed = args.steps - timed_at
+    if timed_from and timed > 0:
+        rate = timed / (time.perf_counter() - timed_from)
+        print(f"rank {rank}/{world}: {timed} steps at {rate:.2f} steps/s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}/{world}: finished at step {args.steps}", flush=True)
