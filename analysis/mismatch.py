@@ -14,9 +14,15 @@ majority is the culprit; Flight Recorder's own analyzer blames whichever side it
    minority issued an extra (ahead) or a missing (behind) collective. Control dependency alone
    would blame the majority for a shift ahead (they "never entered" the minority's collective).
 
-A vote needs a majority: two members that disagree are both named, with confidence 0.5, unless
-one of them also stands out in another group, or left the group (it is no longer pending in it
-while the other waits there: it issued fewer collectives), which puts it first with 0.7.
+A vote needs a majority. When the group has none (two members that disagree), its sibling
+groups decide (recorded collectives only): the other groups of the window with as many members
+at the same sequence id that agree among themselves (`Disagreement.peer_*`, the same program
+run by other data-parallel groups). If at least MIN_SIBLING_VOTES of them ran one of the tied
+calls, the members that ran something else are the culprits. When the group has a majority,
+the vote within the group stands, and siblings that ran what the majority ran only add
+confidence. Without either, the members are all named, with confidence 0.5, unless one of them
+also stands out in another group, or left the group (it is no longer pending in it while the
+other waits there: it issued fewer collectives), which puts it first with 0.7.
 Send/recv ops (point-to-point) are never compared.
 
 Pure: no I/O, no clock.
@@ -61,6 +67,14 @@ class _Finding:
     tie: bool
     shift: int = 0
     """For a sequence shift: the first culprit's sequence id minus the majority's."""
+    siblings: int = 0
+    """How many sibling groups ran what `majority` says (0: unknown, too few, or otherwise)."""
+    by_siblings: bool = False
+    """The group had no majority: its siblings decided."""
+
+
+MIN_SIBLING_VOTES = 2
+"""Sibling groups that must have run one call for it to break a tie within a group."""
 
 
 def _describe(op: str, nbytes: int, dtype: str) -> str:
@@ -82,6 +96,13 @@ def _from_disagreement(d: Disagreement, exempt: tuple[str, ...]) -> _Finding | N
     counts = Counter(keys)
     (top, top_n), *rest = counts.most_common()
     tie = bool(rest) and rest[0][1] == top_n
+    reference = (
+        ("p2p" if is_p2p_op(d.peer_op) else d.peer_op, d.peer_nbytes, d.peer_dtype)
+        if d.peer_groups >= MIN_SIBLING_VOTES else None
+    )
+    by_siblings = tie and reference is not None and counts.get(reference) == top_n
+    if by_siblings and reference is not None:
+        top, tie = reference, False
     culprits = tuple(
         r for r, k in zip(d.ranks, keys, strict=True) if tie or k != top
     )
@@ -95,7 +116,8 @@ def _from_disagreement(d: Disagreement, exempt: tuple[str, ...]) -> _Finding | N
     return _Finding(
         group=d.group, seq=d.seq, culprits=culprits, members=len(d.ranks),
         majority=_describe(majority_op, top[1], top[2]), theirs=theirs, what=what,
-        source="recorded", tie=tie,
+        source="recorded", tie=tie, siblings=d.peer_groups if top == reference else 0,
+        by_siblings=by_siblings,
     )
 
 
@@ -192,6 +214,16 @@ def _left_group(obs: Observation, f: _Finding) -> set[int]:
     return left if len(left) == 1 else set()
 
 
+def _siblings_words(f: _Finding) -> str:
+    """What the sibling groups add to a finding's sentence ("" when they add nothing)."""
+    if f.siblings < MIN_SIBLING_VOTES:
+        return ""
+    return (
+        f", as did {f.siblings} other groups of {f.members} members at the same sequence id"
+        + (" (the group itself has no majority)" if f.by_siblings else "")
+    )
+
+
 def _what_words(f: _Finding) -> str:
     return {
         "op": "a different op",
@@ -218,11 +250,18 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
             votes[r] += 1 if f.tie else 2
     decided = [f for f in findings if not f.tie]
     if decided:
-        culprits = sorted({r for f in decided for r in f.culprits}, key=lambda r: (-votes[r], r))
-        lead = min(decided, key=lambda f: (-max(votes[r] for r in f.culprits), f.source,
-                                           f.group, f.seq))
+        # At equal votes, a majority within a group outweighs one borrowed from its siblings.
+        own = {r for f in decided if not f.by_siblings for r in f.culprits}
+        culprits = sorted({r for f in decided for r in f.culprits},
+                          key=lambda r: (-votes[r], r not in own, r))
+        lead = min(decided, key=lambda f: (-max(votes[r] for r in f.culprits), f.by_siblings,
+                                           f.source, f.group, f.seq))
         minority = len(lead.culprits) / max(lead.members, 1)
         confidence = 0.95 if len(lead.culprits) == 1 else 0.9 if minority < 0.34 else 0.75
+        if lead.by_siblings:
+            confidence = 0.85 if len(lead.culprits) == 1 else 0.7
+        elif lead.siblings >= MIN_SIBLING_VOTES:
+            confidence = max(confidence, 0.9)
         if lead.what == "sequence":
             confidence = min(confidence, 0.85)
     else:
@@ -249,6 +288,7 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
                     if not f.tie
                     else f"the others ran {f.majority} (no majority)"
                 )
+                + _siblings_words(f)
             )
             if f.what == "sequence":
                 detail = (
@@ -280,6 +320,7 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
             f"{who(ranks, nodes)} ran {_what_words(lead)} at collective #{lead.seq} of group "
             f"{lead.group}: {lead.theirs[lead.culprits[0]]} while "
             f"{lead.members - len(lead.culprits)} of {lead.members} members ran {lead.majority}"
+            + _siblings_words(lead)
         )
     return Verdict(
         job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.MISMATCH,

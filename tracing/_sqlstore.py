@@ -399,19 +399,43 @@ GROUP BY src, dst
 ORDER BY src, dst
 """
 
+# DISAGREEMENTS: the first `limit` disagreeing (group, seq), LEFT JOINed on (seq, members) with
+# the siblings' reference: per (seq, members, key) the number of agreeing (group, seq), the top
+# key per (seq, members) by LIMIT 1 BY (so ANY and ALL join alike). Without a sibling the LEFT
+# JOIN gives the column defaults '' and 0 (join_use_nulls stays off on both engines).
 SQL_DISAGREEMENTS = """
-SELECT group_id, seq, arraySort(groupArray(rank)) AS ranks,
-       arraySort((x, r) -> r, groupArray(op), groupArray(rank)) AS ops,
-       arraySort((x, r) -> r, groupArray(nbytes), groupArray(rank)) AS sizes,
-       arraySort((x, r) -> r, groupArray(dtype), groupArray(rank)) AS dtypes
-FROM {db}.collectives
-WHERE job = {job:String} AND attempt = {attempt:UInt32}
-  AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
-  AND position(group_id, {p2p:String}) = 0
-GROUP BY group_id, seq
-HAVING uniqExact(op) > 1 OR uniqExact(nbytes) > 1 OR uniqExact(dtype) > 1
+SELECT group_id, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups
+FROM (
+    SELECT group_id, seq, count() AS members, arraySort(groupArray(rank)) AS ranks,
+           arraySort((x, r) -> r, groupArray(op), groupArray(rank)) AS ops,
+           arraySort((x, r) -> r, groupArray(nbytes), groupArray(rank)) AS sizes,
+           arraySort((x, r) -> r, groupArray(dtype), groupArray(rank)) AS dtypes
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND position(group_id, {p2p:String}) = 0
+    GROUP BY group_id, seq
+    HAVING uniqExact(op) > 1 OR uniqExact(nbytes) > 1 OR uniqExact(dtype) > 1
+    ORDER BY group_id, seq
+    LIMIT {limit:UInt64}
+) AS disagreeing
+ANY LEFT JOIN (
+    SELECT seq, members, peer_op, peer_nbytes, peer_dtype, count() AS peer_groups
+    FROM (
+        SELECT seq, count() AS members, any(op) AS peer_op, any(nbytes) AS peer_nbytes,
+               any(dtype) AS peer_dtype
+        FROM {db}.collectives
+        WHERE job = {job:String} AND attempt = {attempt:UInt32}
+          AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+          AND position(group_id, {p2p:String}) = 0
+        GROUP BY group_id, seq
+        HAVING uniqExact(op) = 1 AND uniqExact(nbytes) = 1 AND uniqExact(dtype) = 1
+    )
+    GROUP BY seq, members, peer_op, peer_nbytes, peer_dtype
+    ORDER BY seq, members, peer_groups DESC, peer_op, peer_nbytes, peer_dtype
+    LIMIT 1 BY seq, members
+) AS siblings USING (seq, members)
 ORDER BY group_id, seq
-LIMIT {limit:UInt64}
 """
 
 SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGREEMENTS)
@@ -648,9 +672,12 @@ class SqlTraceStore(abc.ABC):
         return [
             Disagreement(
                 group=g, seq=int(seq), ranks=tuple(int(r) for r in ranks), ops=tuple(ops),
-                nbytes=tuple(int(b) for b in sizes), dtypes=tuple(dtypes),
+                nbytes=tuple(int(b) for b in sizes), dtypes=tuple(dtypes), peer_op=peer_op,
+                peer_nbytes=int(peer_nbytes), peer_dtype=peer_dtype,
+                peer_groups=int(peer_groups),
             )
-            for g, seq, ranks, ops, sizes, dtypes in rows
+            for g, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups
+            in rows
         ]
 
     def node_windows(

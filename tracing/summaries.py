@@ -26,7 +26,13 @@ times are signed: a clock that runs backwards gives negative values, never wrapp
 - Disagreement: a (group, seq) among the non-p2p rows of the window, completed or failed, whose
   rows do not all share one op, one nbytes and one dtype; its ranks with their op, nbytes and
   dtype, sorted by rank. The first `limit` by (group, seq) (group ids compare by code point,
-  which is ClickHouse's byte order of UTF-8).
+  which is ClickHouse's byte order of UTF-8). With each, the reference of its siblings: for a
+  disagreement at seq s with m rows, its siblings are the OTHER groups with exactly m rows at
+  seq s among the same rows (non-p2p, in the window, completed or failed) that all share one
+  op, one nbytes and one dtype (so a disagreeing group is never a sibling). Each sibling votes
+  for its (op, nbytes, dtype); peer_op, peer_nbytes, peer_dtype are the key with the most votes
+  (ties go to the smallest key, comparing op, then nbytes, then dtype, strings by code point)
+  and peer_groups is its number of votes; "", 0, "" and 0 when there is no sibling.
 - NodeWindows: windows of `window_us` aligned at `start_us`, bucket = (enqueue_us - start_us)
   // window_us, ceil((end_us - start_us) / window_us) buckets (the last may be shorter), with
   window_start_us = start_us + bucket * window_us. Rows are the collective rows RankStats counts
@@ -109,6 +115,12 @@ class Disagreement:
     ops: tuple[str, ...]
     nbytes: tuple[int, ...]
     dtypes: tuple[str, ...]
+    peer_op: str = ""
+    """What most sibling groups (same seq, as many rows, agreeing) ran; "" without siblings."""
+    peer_nbytes: int = 0
+    peer_dtype: str = ""
+    peer_groups: int = 0
+    """How many sibling groups ran (peer_op, peer_nbytes, peer_dtype); 0 without siblings."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -276,7 +288,8 @@ def link_stats(cols: CollectiveColumns, start_us: int, end_us: int) -> LinkStats
 def disagreements(
     cols: CollectiveColumns, start_us: int, end_us: int, limit: int = 100
 ) -> tuple[Disagreement, ...]:
-    """The first `limit` collectives of a window whose ranks disagree, by (group, seq)."""
+    """The first `limit` collectives of a window whose ranks disagree, by (group, seq), each
+    with the reference of its sibling groups (see the module docstring)."""
     window = np.flatnonzero(_in_window(cols, start_us, end_us))
     groups, gcode = factorize(cols.group[window])
     keep = ~_p2p_rows(gcode, groups)
@@ -286,17 +299,26 @@ def disagreements(
     rows, gcode, seq = rows[order], gcode[order], seq[order]
     if rows.shape[0] == 0 or limit <= 0:
         return ()
-    _, opcode = factorize(cols.op[rows])
-    _, dtcode = factorize(cols.dtype[rows])
+    ops, opcode = factorize(cols.op[rows])
+    dtypes, dtcode = factorize(cols.dtype[rows])
     nbytes = cols.nbytes[rows]
     starts, seg = _segments(gcode, seq)
     head = starts[seg]
     differs = (opcode != opcode[head]) | (dtcode != dtcode[head]) | (nbytes != nbytes[head])
-    bad = np.flatnonzero(np.logical_or.reduceat(differs, starts))[:limit]
+    split = np.logical_or.reduceat(differs, starts)
+    bad = np.flatnonzero(split)[:limit]
+    if bad.shape[0] == 0:
+        return ()
     ends = np.append(starts, rows.shape[0])
+    members = np.diff(ends)
+    peers = _sibling_votes(
+        (seq[starts], members, opcode[starts], nbytes[starts], dtcode[starts]),
+        agrees=~split, seqs=np.unique(seq[starts[bad]]),
+    )
     out = []
     for k in bad:
         part = rows[starts[k]:ends[k + 1]]
+        peer = peers.get((int(seq[starts[k]]), int(members[k])))
         out.append(Disagreement(
             group=str(groups[gcode[starts[k]]]),
             seq=int(seq[starts[k]]),
@@ -304,8 +326,36 @@ def disagreements(
             ops=tuple(str(o) for o in cols.op[part]),
             nbytes=tuple(int(b) for b in cols.nbytes[part]),
             dtypes=tuple(str(d) for d in cols.dtype[part]),
+            peer_op=str(ops[peer[0]]) if peer else "",
+            peer_nbytes=peer[1] if peer else 0,
+            peer_dtype=str(dtypes[peer[2]]) if peer else "",
+            peer_groups=peer[3] if peer else 0,
         ))
     return tuple(out)
+
+
+def _sibling_votes(
+    segments: tuple[I64, I64, I64, I64, I64], *, agrees: npt.NDArray[np.bool_], seqs: I64
+) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+    """Per (seq, members) with a seq in `seqs`: the (op code, nbytes, dtype code) most of the
+    agreeing (group, seq) ran (the smallest on a tie) and how many ran it. `segments` holds
+    (seq, members, op code, nbytes, dtype code) and `agrees` a flag per (group, seq); op and
+    dtype codes sort like their strings."""
+    voters = np.flatnonzero(agrees & np.isin(segments[0], seqs))
+    if voters.shape[0] == 0:
+        return {}
+    keys = tuple(k[voters] for k in segments)
+    order = np.lexsort(keys[::-1])
+    keys = tuple(k[order] for k in keys)
+    starts, _ = _segments(*keys)
+    votes = np.diff(np.append(starts, voters.shape[0]))
+    s, m, o, n, d = (k[starts] for k in keys)
+    best = np.lexsort((d, n, o, -votes, m, s))
+    firsts, _ = _segments(s[best], m[best])
+    return {
+        (int(s[i]), int(m[i])): (int(o[i]), int(n[i]), int(d[i]), int(votes[i]))
+        for i in best[firsts]
+    }
 
 
 MAX_BUCKETS = 100_000

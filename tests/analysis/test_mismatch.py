@@ -16,12 +16,15 @@ NOW = T0 + 100 * S
 
 
 def disagreement(ops: list[str], *, nbytes: list[int] | None = None,
-                 dtypes: list[str] | None = None, group: str = "tp-0", seq: int = 88
-                 ) -> Disagreement:
+                 dtypes: list[str] | None = None, group: str = "tp-0", seq: int = 88,
+                 ranks: list[int] | None = None,
+                 peer: tuple[str, int, str, int] = ("", 0, "", 0)) -> Disagreement:
+    """`peer`: what the sibling groups ran (op, nbytes, dtype) and how many of them."""
     k = len(ops)
-    return Disagreement(group=group, seq=seq, ranks=tuple(range(k)), ops=tuple(ops),
+    return Disagreement(group=group, seq=seq, ranks=tuple(ranks or range(k)), ops=tuple(ops),
                         nbytes=tuple(nbytes or [4096] * k),
-                        dtypes=tuple(dtypes or ["bfloat16"] * k))
+                        dtypes=tuple(dtypes or ["bfloat16"] * k), peer_op=peer[0],
+                        peer_nbytes=peer[1], peer_dtype=peer[2], peer_groups=peer[3])
 
 
 def test_the_rank_that_ran_another_op_is_named_not_the_majority() -> None:
@@ -136,3 +139,101 @@ def test_healthy_group_in_flight_has_no_mismatch() -> None:
     beats += [beat(8, NOW - S // 10, progress("pp-0:p2p:0-8", 5, 4, enq_us=NOW, op="recv"))]
     beats += [beat(0, NOW - S // 10, progress("pp-0:p2p:0-8", 5, 4, enq_us=NOW, op="send"))]
     assert detect_mismatch(observe(snapshot(NOW, 9, beats)), SETTINGS) is None
+
+
+# --- sibling groups: other groups of the same size that agree at the same sequence id ---------
+
+
+def dtype_tie(peer: tuple[str, int, str, int]) -> Disagreement:
+    """dp-22 = {38, 46}: rank 46 ran float32 at twice the size, rank 38 bfloat16."""
+    return disagreement(["all_reduce"] * 2, nbytes=[4096, 8192], dtypes=["bfloat16", "float32"],
+                        group="dp-22", seq=10215, ranks=[38, 46], peer=peer)
+
+
+def test_siblings_break_a_tie_of_two_members() -> None:
+    d = dtype_tie(("all_reduce", 4096, "bfloat16", 31))
+    verdict = detect_mismatch(observe(snapshot(NOW, 64), disagreements=(d,)), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_ranks == (46,)
+    assert verdict.basis is Basis.MAJORITY_VOTE
+    assert verdict.confidence == 0.85
+    assert verdict.group == "dp-22"
+    assert verdict.summary == (
+        "rank 46 on node node-5 ran a different dtype at collective #10215 of group dp-22: "
+        "all_reduce of 8192 B float32 while 1 of 2 members ran all_reduce of 4096 B bfloat16, "
+        "as did 31 other groups of 2 members at the same sequence id (the group itself has no "
+        "majority)"
+    )
+    assert [(e.rank, e.group, e.seq) for e in verdict.evidence] == [(46, "dp-22", 10215)]
+    # Whichever side the siblings back is the one kept.
+    other = dtype_tie(("all_reduce", 8192, "float32", 5))
+    flipped = detect_mismatch(observe(snapshot(NOW, 64), disagreements=(other,)), SETTINGS)
+    assert flipped is not None and flipped.culprit_ranks == (38,)
+
+
+def test_too_few_or_unrelated_siblings_leave_the_tie() -> None:
+    for peer in [("all_reduce", 4096, "bfloat16", 1),  # one sibling is not enough
+                 ("all_reduce", 2048, "bfloat16", 9),  # they ran neither call
+                 ("", 0, "", 0)]:  # no sibling at all
+        verdict = detect_mismatch(
+            observe(snapshot(NOW, 64), disagreements=(dtype_tie(peer),)), SETTINGS)
+        assert verdict is not None
+        assert verdict.culprit_ranks == (38, 46)
+        assert verdict.confidence == 0.5
+        assert "no majority" in verdict.summary
+
+
+def test_siblings_break_a_tie_of_more_members_only_between_the_tied_calls() -> None:
+    # 2 against 2: the siblings back the broadcast, so the all_reduce pair is named.
+    d = disagreement(["all_reduce", "broadcast", "all_reduce", "broadcast"],
+                     peer=("broadcast", 4096, "bfloat16", 4))
+    verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_ranks == (0, 2)
+    assert verdict.confidence == 0.7
+    # 2 against 1 against 1 is a majority: siblings backing a minority call change nothing.
+    d = disagreement(["all_reduce", "broadcast", "all_reduce", "all_gather"],
+                     peer=("broadcast", 4096, "bfloat16", 4))
+    verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_ranks == (1, 3)
+    assert verdict.confidence == 0.75
+    assert "other groups" not in verdict.summary
+
+
+def test_a_majority_within_the_group_outweighs_its_siblings() -> None:
+    d = disagreement(["all_reduce"] * 4, nbytes=[4096, 4096, 2048, 4096],
+                     peer=("all_reduce", 2048, "bfloat16", 12))
+    verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_ranks == (2,)
+    assert verdict.confidence == 0.95
+    assert "other groups" not in verdict.summary
+
+
+def test_siblings_that_agree_with_the_majority_add_confidence() -> None:
+    ops = ["all_reduce", "all_reduce", "broadcast", "all_reduce", "all_gather"]
+    alone = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(disagreement(ops),)),
+                            SETTINGS)
+    assert alone is not None and alone.confidence == 0.75
+    d = disagreement(ops, peer=("all_reduce", 4096, "bfloat16", 7))
+    verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_ranks == alone.culprit_ranks == (2, 4)
+    assert verdict.confidence == 0.9
+    assert verdict.summary.endswith(
+        "while 3 of 5 members ran all_reduce of 4096 B bfloat16, as did 7 other groups of 5 "
+        "members at the same sequence id"
+    )
+
+
+def test_a_majority_within_a_group_leads_a_tie_broken_by_siblings() -> None:
+    by_siblings = dtype_tie(("all_reduce", 4096, "bfloat16", 31))
+    own = disagreement(["all_reduce", "all_reduce", "broadcast"], group="tp-4", seq=900,
+                       ranks=[32, 33, 39])
+    verdict = detect_mismatch(
+        observe(snapshot(NOW, 64), disagreements=(by_siblings, own)), SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_ranks == (39, 46)
+    assert verdict.group == "tp-4"
+    assert verdict.confidence == 0.95

@@ -112,6 +112,7 @@ def random_case(seed: int, *, ranks: int = 16) -> Case:
                                 dtype="float32", peer=b, completed=True, enqueue_us=e1,
                                 complete_us=finish))
             rows.extend(pair)
+    rows.extend(_sibling_groups(np.random.default_rng([seed, 1]), ranks))
     times = [r.enqueue_us for r in rows]
     lo, hi = min(times), max(times)
     start = lo + int(rng.integers(0, (hi - lo) // 5))
@@ -121,8 +122,63 @@ def random_case(seed: int, *, ranks: int = 16) -> Case:
                 window_us=int(rng.integers(300, 3_000)))
 
 
+SIBLING_KEYS = (("all_reduce", 1024, "float32"), ("all_reduce", 1024, "bfloat16"),
+                ("all_reduce", 512, "float32"), ("broadcast", 1024, "float32"))
+
+
+def _sibling_groups(rng: np.random.Generator, ranks: int) -> list[Row]:
+    """Groups of the same size running the same program, as data-parallel groups do: at each
+    seq every group runs one of a few keys (so sibling votes tie often), a member sometimes
+    runs another key or is missing (a disagreement, or a group of another size)."""
+    rows = []
+    for j in range(7):
+        members = [j, j + ranks // 2]
+        if j >= 4:
+            members.append(j + ranks // 4)
+        for seq in range(1, 9):
+            key = SIBLING_KEYS[int(rng.integers(0, 2 if seq % 2 else len(SIBLING_KEYS)))]
+            base = T0 + seq * 1_000 + int(rng.integers(0, 200))
+            for rank in members:
+                if rng.random() < 0.08:
+                    continue
+                op, nbytes, dtype = (
+                    SIBLING_KEYS[int(rng.integers(len(SIBLING_KEYS)))]
+                    if rng.random() < 0.12 else key
+                )
+                enqueue = base + int(rng.integers(0, 4)) * 10
+                rows.append(Row(rank=rank, group=f"dp-{j}", seq=seq, op=op, nbytes=nbytes,
+                                dtype=dtype, peer=-1, completed=rng.random() > 0.1,
+                                enqueue_us=enqueue, complete_us=enqueue + 50))
+    return rows
+
+
 def _fields(row: Row) -> dict[str, object]:
     return {name: getattr(row, name) for name in Row.__slots__}
+
+
+def _sib(rank: int, group: str, op: str, nbytes: int, dtype: str, *, seq: int = 7) -> Row:
+    return Row(rank=rank, group=group, seq=seq, op=op, nbytes=nbytes, dtype=dtype, peer=-1,
+               completed=True, enqueue_us=T0 + rank, complete_us=T0 + 50)
+
+
+_AR, _BC = "all_reduce", "broadcast"
+SIBLING_EXAMPLE = (
+    _sib(0, "dp-0", _AR, 8, "bf16"), _sib(1, "dp-0", _AR, 16, "f32"),  # the 2-member tie
+    _sib(2, "dp-1", _AR, 8, "bf16"), _sib(3, "dp-1", _AR, 8, "bf16"),  # votes (ar, 8, bf16)
+    _sib(4, "dp-2", _AR, 8, "bf16"), _sib(5, "dp-2", _AR, 8, "bf16"),  # votes (ar, 8, bf16)
+    _sib(6, "dp-3", _BC, 8, "bf16"), _sib(7, "dp-3", _BC, 8, "bf16"),  # votes (bc, 8, bf16)
+    _sib(8, "dp-4", _AR, 8, "bf16"), _sib(9, "dp-4", _AR, 8, "f32"),  # disagrees: no vote
+    _sib(10, "dp-5", _AR, 8, "bf16"),  # one row, not two: no vote
+    _sib(11, "dp-6", _AR, 8, "bf16", seq=8), _sib(12, "dp-6", _AR, 8, "bf16", seq=8),  # seq 8
+    _sib(13, "x:p2p:13-14", _AR, 8, "bf16"), _sib(14, "x:p2p:13-14", _AR, 8, "bf16"),  # p2p
+    # At seq 9 the only two siblings tie: the smaller key wins (op, then nbytes, then dtype).
+    _sib(0, "dp-0", _AR, 8, "bf16", seq=9), _sib(1, "dp-0", _BC, 8, "bf16", seq=9),
+    _sib(2, "dp-1", _AR, 16, "bf16", seq=9), _sib(3, "dp-1", _AR, 16, "bf16", seq=9),
+    _sib(4, "dp-2", _AR, 8, "f32", seq=9), _sib(5, "dp-2", _AR, 8, "f32", seq=9),
+    # At seq 10 there is no sibling.
+    _sib(0, "dp-0", _AR, 8, "bf16", seq=10), _sib(1, "dp-0", _BC, 8, "bf16", seq=10),
+)
+"""Disagreements with sibling groups that vote, tie, or do not count (tests of the reference)."""
 
 
 GROUPS = ("0", "1", "a", "0:p2p:1-2", "0:p2p:2-3")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from summary_data import (
+    SIBLING_EXAMPLE,
     T0,
     Case,
     Row,
@@ -224,3 +225,18 @@ def test_summaries_in_sql_equal_the_numpy_reference_on_small_windows(
     job = JobId(f"job-{uuid.uuid4().hex}")
     store.insert_columns(job, 0, case.cols, case.node_of_rank, batch_id=job)
     assert_store_matches_numpy(store, job, case)
+
+
+def test_disagreements_in_sql_carry_the_sibling_reference(store: TraceStore) -> None:
+    case = Case(cols=columns(SIBLING_EXAMPLE), node_of_rank={r: "n" for r in range(15)},
+                start_us=T0, end_us=T0 + 100, window_us=10)
+    store.insert_columns(JOB, 0, case.cols, case.node_of_rank, batch_id="b-siblings")
+    got = store.disagreements(JOB, 0, T0, T0 + 100)
+    assert [(d.group, d.seq, d.peer_op, d.peer_nbytes, d.peer_dtype, d.peer_groups)
+            for d in got] == [
+        ("dp-0", 7, "all_reduce", 8, "bf16", 2), ("dp-0", 9, "all_reduce", 8, "f32", 1),
+        ("dp-0", 10, "", 0, "", 0), ("dp-4", 7, "all_reduce", 8, "bf16", 2),
+    ]
+    assert_store_matches_numpy(store, JOB, case)
+    # The limit counts disagreements; each keeps its reference.
+    assert store.disagreements(JOB, 0, T0, T0 + 100, limit=2) == got[:2]

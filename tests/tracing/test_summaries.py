@@ -4,13 +4,14 @@ docstring of tracing.summaries), on random windows full of ties, mismatches and 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from statistics import fmean
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from summary_data import (
+    SIBLING_EXAMPLE,
     T0,
     Case,
     Row,
@@ -112,10 +113,18 @@ def naive_disagreements(case: Case, limit: int = 100) -> tuple[Disagreement, ...
     for (group, seq), rows in sorted(by_seq.items()):
         rows.sort(key=lambda r: r.rank)
         if len({(r.op, r.nbytes, r.dtype) for r in rows}) > 1:
+            votes: Counter[tuple[str, int, str]] = Counter()
+            for (other, other_seq), theirs in by_seq.items():
+                keys = {(r.op, r.nbytes, r.dtype) for r in theirs}
+                if (other != group and other_seq == seq and len(theirs) == len(rows)
+                        and len(keys) == 1):
+                    votes[keys.pop()] += 1
+            peer, n = min(votes.items(), key=lambda kv: (-kv[1], kv[0]), default=(("", 0, ""), 0))
             out.append(Disagreement(
                 group=group, seq=seq, ranks=tuple(r.rank for r in rows),
                 ops=tuple(r.op for r in rows), nbytes=tuple(r.nbytes for r in rows),
                 dtypes=tuple(r.dtype for r in rows),
+                peer_op=peer[0], peer_nbytes=peer[1], peer_dtype=peer[2], peer_groups=n,
             ))
     return tuple(out[:limit])
 
@@ -239,3 +248,16 @@ def test_node_windows_refuses_a_rank_without_a_node_and_a_bad_width() -> None:
 def test_node_windows_refuses_more_windows_than_it_can_hold() -> None:
     with pytest.raises(ValueError, match="at most 100000 are allowed"):
         summaries.node_windows(columns(WORKED), {}, 0, 2**62, 1_000)
+
+
+def test_a_disagreement_carries_what_its_sibling_groups_ran() -> None:
+    ar = "all_reduce"
+    rows = SIBLING_EXAMPLE
+    got = summaries.disagreements(columns(rows), T0, T0 + 100)
+    assert [(d.group, d.seq, d.peer_op, d.peer_nbytes, d.peer_dtype, d.peer_groups)
+            for d in got] == [
+        ("dp-0", 7, ar, 8, "bf16", 2), ("dp-0", 9, ar, 8, "f32", 1), ("dp-0", 10, "", 0, "", 0),
+        ("dp-4", 7, ar, 8, "bf16", 2),
+    ]
+    assert got == naive_disagreements(Case(cols=columns(rows), node_of_rank={}, start_us=T0,
+                                           end_us=T0 + 100, window_us=10))
