@@ -322,7 +322,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _terminate(signum: int, _frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so every `finally` runs and no rank is left behind."""
+    """SIGTERM and SIGINT unwind as KeyboardInterrupt, so every `finally` runs and no rank is left
+    behind. SIGINT is handled explicitly too: a process started in the background by a
+    non-interactive shell inherits SIGINT ignored, and Ctrl-C must still stop it cleanly."""
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -330,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logs.configure(args.log_level)
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
     handlers = {"demo": cmd_demo, "run": cmd_run, "incidents": cmd_incidents,
                 "diagnose": cmd_diagnose, "simulate": cmd_simulate}
     try:

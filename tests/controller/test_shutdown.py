@@ -45,7 +45,12 @@ def test_stopping_the_controller_stops_every_rank(tmp_path: Path, sig: signal.Si
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         time.sleep(0.5)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM if sig is signal.SIGINT else signal.SIGKILL)
+        proc.communicate(timeout=60)
+        raise
     assert proc.returncode == 130, err[-2000:]
     assert "all ranks were stopped" in err
     with open_store(f"chdb://{store}") as opened:
