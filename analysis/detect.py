@@ -400,9 +400,28 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                  detail=f"rank {r} on node {node_of(r)} never reported")
         for r in culprits_first(never_reported)
     ]
+    # Laggards that are not culprits are themselves blocked further down the chain: name the
+    # culprits' facts one by one, and the others once per group, so the evidence of a 10,000-rank
+    # hang reads as a cause and its reach, not as a list of victims.
+    blocked: dict[str, list[int]] = {}
+    for r, fact in lag_facts.items():
+        if r not in culprits:
+            blocked.setdefault(fact.group, []).append(r)
+    blocked_facts = [
+        Evidence(
+            fact=Fact.LAGGING, rank=min(rs), node=node_of(min(rs)), group=group,
+            seq=stalled_groups[group], value=float(len(rs)),
+            detail=(
+                f"{len(rs)} other rank(s) of group {group} (e.g. rank {min(rs)} on node "
+                f"{node_of(min(rs))}) have not entered #{stalled_groups[group]} either: they "
+                "are blocked in other collectives, behind the culprit(s)"
+            ),
+        )
+        for group, rs in sorted(blocked.items())
+    ]
     evidence = (
-        [lag_facts[r] for r in culprits_first(lag_facts)] + silent_facts + missing_facts
-        + waiting_facts
+        [lag_facts[r] for r in sorted(lag_facts) if r in culprits][:cap] + silent_facts
+        + missing_facts + blocked_facts[:cap] + waiting_facts
     )
     ranks = tuple(sorted(culprits))
     culprit_nodes = tuple(sorted({node_of(r) for r in ranks}))
