@@ -44,15 +44,16 @@ def load_observation(
     node_window_s: float = 5.0,
     expected_ranks: Mapping[int, str] | None = None,
     summaries: bool = True,
+    snapshot: JobSnapshot | None = None,
 ) -> Observation:
     """Read one detection window ending at `now_us` from a store; every summary is computed by
     the store in SQL, so the rows read back are per rank, per link or per node, never per event.
 
     With `summaries=False` only the snapshot is read (three small queries): enough for crashes,
     hangs and op mismatches, which a supervisor checks far more often than the window summaries
-    that stragglers, slow links and outliers need."""
-    snap = load_snapshot(store, job=job, attempt=attempt, now_us=now_us,
-                         expected_ranks=expected_ranks)
+    that stragglers, slow links and outliers need. A `snapshot` already read is used as it is."""
+    snap = snapshot or load_snapshot(store, job=job, attempt=attempt, now_us=now_us,
+                                     expected_ranks=expected_ranks)
     start = now_us - int(window_s * 1_000_000)
     if not summaries:
         return Observation(snapshot=snap, window_start_us=start, window_end_us=now_us)

@@ -26,14 +26,13 @@ def _as_of_end(store: TraceStore, job: JobId, attempt: int, window_s: float) -> 
     nodes.update({int(e.rank): str(e.node) for e in probe.exits})
     expected = {r: nodes.get(r, "unknown") for r in members | set(nodes)}
     end = max(times, default=0)
-    # The window's end is exclusive: reach one microsecond past the newest record.
-    obs = load_observation(store, job=job, attempt=attempt, now_us=end + 1, window_s=window_s,
-                           expected_ranks=expected)
     snap = JobSnapshot(
         job=job, attempt=attempt, now_us=end, heartbeats=probe.heartbeats,
         exits=probe.exits, groups=probe.groups, expected_ranks=expected,
     )
-    return dataclasses.replace(obs, snapshot=snap)
+    # The window's end is exclusive: reach one microsecond past the newest record.
+    return load_observation(store, job=job, attempt=attempt, now_us=end + 1, window_s=window_s,
+                            snapshot=snap)
 
 
 def _verdict_json(verdict: Verdict) -> dict[str, Any]:
@@ -55,13 +54,14 @@ def diagnose_stored(
     # Stored data is complete: no exit is still in flight, so nothing needs to settle.
     settings = dataclasses.replace(settings or DetectionSettings(), crash_settle_s=0.0)
     candidates = [attempt] if attempt is not None else sorted(attempts, reverse=True)
+    latest = _as_of_end(store, job, candidates[0], window_s)
     for a in candidates:
-        obs = _as_of_end(store, job, a, window_s)
+        obs = latest if a == candidates[0] else _as_of_end(store, job, a, window_s)
         verdict = diagnose_observation(obs, settings)
         if verdict is not None:
             return {**_verdict_json(verdict), "ranks_seen": len(obs.snapshot.heartbeats)}
     a = candidates[0]
-    snap = _as_of_end(store, job, a, window_s).snapshot
+    snap = latest.snapshot
     return {
         "job": job, "attempt": a, "kind": "healthy", "culprit_ranks": [], "culprit_nodes": [],
         "confidence": 1.0, "basis": "", "evidence": [], "ranks_seen": len(snap.heartbeats),
