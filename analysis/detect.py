@@ -460,6 +460,3 @@ def diagnose(snap: JobSnapshot, settings: DetectionSettings | None = None) -> Ve
     settings = settings or DetectionSettings()
     return detect_crash(snap, settings) or detect_hang(snap, settings)
 
-
-def first(verdicts: Iterable[Verdict | None]) -> Verdict | None:
-    return next((v for v in verdicts if v is not None), None)

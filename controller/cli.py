@@ -50,6 +50,11 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _hang_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hang-after", type=float, default=5.0, metavar="S",
+                   help="a rank waiting this long in one collective is a hang (default: 5)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tracehound",
@@ -74,8 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
     demo.add_argument("--job-id", help="job id (default: demo-<fault>-<time>)")
     demo.add_argument("--workdir", type=Path, help="checkpoints, spools and logs (default: temp)")
-    demo.add_argument("--hang-after", type=float, default=5.0, metavar="S",
-                      help="a rank waiting this long in one collective is a hang (default: 5)")
+    _hang_arg(demo)
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     _store_arg(demo)
 
@@ -94,8 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="checkpoints, spools and logs go under WORKDIR/JOB "
                           "(default: .tracehound/runs)")
     run.add_argument("--max-restarts", type=int, default=3, help="default: 3")
-    run.add_argument("--hang-after", type=float, default=5.0, metavar="S",
-                     help="a rank waiting this long in one collective is a hang (default: 5)")
+    _hang_arg(run)
     run.add_argument("--timeout", type=float, default=None, metavar="S",
                      help="give up after S seconds (default: never)")
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")

@@ -13,7 +13,6 @@ from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
-from tracehound.analysis.verdict import Verdict
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore
 
@@ -33,10 +32,6 @@ def _as_of_end(store: TraceStore, job: JobId, attempt: int, window_s: float) -> 
     # The window's end is exclusive: reach one microsecond past the newest record.
     return load_observation(store, job=job, attempt=attempt, now_us=end + 1, window_s=window_s,
                             snapshot=snap)
-
-
-def _verdict_json(verdict: Verdict) -> dict[str, Any]:
-    return verdict.to_dict()
 
 
 def diagnose_stored(
@@ -59,7 +54,7 @@ def diagnose_stored(
         obs = latest if a == candidates[0] else _as_of_end(store, job, a, window_s)
         verdict = diagnose_observation(obs, settings)
         if verdict is not None:
-            return {**_verdict_json(verdict), "ranks_seen": len(obs.snapshot.heartbeats)}
+            return {**verdict.to_dict(), "ranks_seen": len(obs.snapshot.heartbeats)}
     a = candidates[0]
     snap = latest.snapshot
     return {

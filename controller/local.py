@@ -16,10 +16,12 @@ import importlib.util
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -76,8 +78,6 @@ class LocalOrchestrator:
         self.checkpoint_dir = checkpoint_dir or workdir / "checkpoints"
         self._agent_env = dict(agent_env or {})
         # Unix socket paths are limited to ~100 bytes: keep them short, in /tmp.
-        import tempfile
-
         self._sockdir = Path(tempfile.mkdtemp(prefix="th-sock-"))
         self._ranks: list[_Proc] = []
         self._agents: dict[NodeId, subprocess.Popen[bytes]] = {}
@@ -191,9 +191,6 @@ class LocalOrchestrator:
                 return proc.popen.pid
         return None
 
-    def running(self) -> int:
-        return sum(1 for p in self._ranks if p.popen.poll() is None)
-
     # -- stopping --------------------------------------------------------------------------
     def stop(self, *, grace_s: float = 3.0) -> None:
         self._stopping = True
@@ -240,8 +237,6 @@ class LocalOrchestrator:
     def close(self) -> None:
         if any(p.popen.poll() is None for p in self._ranks) or self._agents:
             self.stop(grace_s=1.0)
-        import shutil
-
         shutil.rmtree(self._sockdir, ignore_errors=True)
 
 

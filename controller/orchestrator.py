@@ -57,10 +57,6 @@ class Orchestrator(Protocol):
         """The process id of a running rank, where the orchestrator can know it."""
         ...
 
-    def running(self) -> int:
-        """How many ranks of the current attempt are still running."""
-        ...
-
     def finish(self) -> None:
         """The attempt ended by itself: let per-node agents ship what they hold, then stop them."""
         ...
@@ -109,8 +105,6 @@ class NodePool:
         """The nodes for the next attempt: the current ones minus the isolated, topped up with
         spares in pool order."""
         keep = [n for n in self._current if n not in self._isolated]
-        if not self._current:
-            keep = []
         spares = [n for n in self._nodes if n not in self._isolated and n not in keep]
         nodes: list[NodeId] = []
         for slot in range(count):

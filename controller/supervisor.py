@@ -224,15 +224,8 @@ class Supervisor:
             level, "attempt %d: exited with code %d", exit_.attempt, exit_.exit_code
         )
         batch = Batch(batch_id=f"exit/{exit_.job}/{exit_.attempt}/{exit_.rank}", records=(exit_,))
-        for delay in (0.2, 0.5, 1.0, 2.0, 4.0):
-            try:
-                self.store.insert(batch, maybe_duplicate=True)
-                return
-            except TemporaryStoreError as exc:
-                self.log.warning("store unavailable, retrying exit record in %.1f s: %s",
-                                 delay, exc)
-                self.sleep(delay)
-        self.log.error("could not record the exit of rank %d: store unavailable", exit_.rank)
+        self._store_retrying(lambda: self.store.insert(batch, maybe_duplicate=True),
+                             what=f"the exit of rank {exit_.rank}")
 
     # -- acting on a verdict -------------------------------------------------------------------
     def _recover(self, verdict: Verdict) -> str | None:
@@ -249,7 +242,8 @@ class Supervisor:
         )
         self.log.warning("incident %s: %s %s (confidence %.2f)", incident_id, verdict.kind.value,
                          verdict.summary, verdict.confidence)
-        self._store_retrying(lambda: self.store.record_incident(incident))
+        self._store_retrying(lambda: self.store.record_incident(incident),
+                             what=f"incident {incident_id}")
         self._keep_evidence(incident_id)
         plan = plan_recovery(
             verdict, restarts_done=verdict.attempt,
@@ -268,7 +262,8 @@ class Supervisor:
                             target=step.target, time_us=at, ok=ok,
                             detail=detail or step.reason)
             actions.append(action)
-            self._store_retrying(functools.partial(self.store.record_action, action))
+            self._store_retrying(functools.partial(self.store.record_action, action),
+                                 what=f"action {step.kind.value} of {incident_id}")
         self._incidents.append(dataclasses.replace(incident, actions=tuple(actions)))
         return gave_up
 
@@ -295,12 +290,14 @@ class Supervisor:
             return True, f"isolated {node}: {step.reason}"
         return True, step.reason  # restart, observe and give up are carried out by the loop
 
-    def _store_retrying(self, write: Callable[[], None]) -> None:
+    def _store_retrying(self, write: Callable[[], object], *, what: str) -> None:
+        """Write `what` to the store, waiting out a temporary outage (about 16 s in all)."""
         for delay in (0.2, 0.5, 1.0, 2.0, 4.0, 8.0):
             try:
                 write()
                 return
             except TemporaryStoreError as exc:
-                self.log.warning("store unavailable, retrying in %.1f s: %s", delay, exc)
+                self.log.warning("store unavailable, retrying %s in %.1f s: %s", what, delay, exc)
                 self.sleep(delay)
-        self.log.error("gave up writing to the store %s", self.store.url)
+        self.log.error("could not record %s: the store %s stayed unavailable", what,
+                       self.store.url)

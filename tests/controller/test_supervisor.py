@@ -47,9 +47,6 @@ class ScriptedOrchestrator:
     def pid_of(self, rank: int) -> int | None:
         return 1000 + rank
 
-    def running(self) -> int:
-        return 0
-
     def finish(self) -> None:
         self.finished += 1
 
