@@ -2,14 +2,20 @@
 
     python -m tracehound.agent.node --job J --node N --socket PATH --spool DIR --sink URL
                                     [--stats-file FILE] [--stats-interval S] [--drain-s S]
+                                    [--proc-interval S] [--stack-after S] [--stack-repeat S]
+                                    [--py-spy PATH]
 
 Ranks connect to the unix socket at PATH and write newline-delimited JSON records
 (`tracing.wire`). Each line is decoded and validated; bad lines are counted and logged with the
 reason, never fatal. Good records go to the durable spool in DIR (`agent.spool`), and a shipper
 thread sends sealed segments to the sink: `clickhouse://...` writes straight into the ClickHouse
 server, `http://host:port` posts to the ingest endpoint of the process that owns an embedded
-store. SIGTERM/SIGINT: stop accepting, ship what is left for at most --drain-s seconds (10), exit
-0; whatever could not be shipped stays in DIR for the next agent started on it.
+store. The agent also watches the ranks' processes from outside (`agent.procwatch`): a
+`/proc` sample of each rank every --proc-interval seconds (1; 0: off), and a py-spy stack of a
+rank stuck for --stack-after seconds (2; 0: off), repeated every --stack-repeat seconds (30) while
+it stays stuck; these records go to the spool like the ranks' own. SIGTERM/SIGINT: stop
+accepting, ship what is left for at most --drain-s seconds (10), exit 0; whatever could not be
+shipped stays in DIR for the next agent started on it.
 
 The agent must never crash on what a rank sends, and never lose a record it accepted.
 """
@@ -26,15 +32,18 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tracehound.agent.procwatch import Emit, ProcWatcher, PySpy, WatchStats, find_py_spy
 from tracehound.agent.spool import BatchSink, HttpSink, Shipper, Spool, StoreSink
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreConfigError
-from tracehound.tracing.wire import InvalidRecord, decode
+from tracehound.tracing.events import Heartbeat, Record
+from tracehound.tracing.wire import InvalidRecord, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,15 @@ def make_sink(url: str) -> BatchSink:
     )
 
 
+def spool_writer(spool: Spool) -> Emit:
+    """Appends records the agent makes itself to `spool`, in the ranks' wire form (compact JSON)."""
+
+    def write(records: Sequence[Record]) -> None:
+        spool.append([json.dumps(encode(r), separators=(",", ":")).encode() for r in records])
+
+    return write
+
+
 class NodeAgent:
     """The socket server, the spool and the shipper of one node."""
 
@@ -69,7 +87,10 @@ class NodeAgent:
         sink: BatchSink,
         stats_file: str | None = None,
         stats_interval_s: float = 10.0,
+        watcher: ProcWatcher | None = None,
     ) -> None:
+        """`watcher` (optional) is told every heartbeat, and started and stopped with the agent;
+        give it `spool_writer(spool)` as its emit so its records ship with the ranks'."""
         self.job = job
         self.node = node
         self.socket_path = socket_path
@@ -77,6 +98,7 @@ class NodeAgent:
         self.shipper = Shipper(spool, sink)
         self.stats_file = stats_file
         self.stats_interval_s = stats_interval_s
+        self.watcher = watcher
         self.log = logs.JobLogger(log, job=job, node=node)
         self._server: socket.socket | None = None
         self._closing = threading.Event()
@@ -106,6 +128,8 @@ class NodeAgent:
             thread = threading.Thread(target=target, name=f"tracehound-node-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        if self.watcher is not None:
+            self.watcher.start()
         self.log.info("listening on %s, spool %s (id %s), %d segments pending",
                       self.socket_path, self.spool.directory, self.spool.spool_id,
                       len(self.spool.sealed()))
@@ -119,6 +143,8 @@ class NodeAgent:
             server.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
+        if self.watcher is not None and not self.watcher.stop(timeout_s=1.0):
+            self.log.warning("the process watcher did not stop within 1s")
         deadline = time.monotonic() + drain_s
         for thread in list(self._connections):
             thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
@@ -195,19 +221,28 @@ class NodeAgent:
     def receive(self, lines: list[bytes]) -> None:
         """Validate lines from a rank and spool the good ones."""
         good: list[bytes] = []
+        beats: list[Heartbeat] = []
         for raw in lines:
             line = raw.strip()
             if not line:
                 continue
             try:
-                decode(json.loads(line))
+                record = decode(json.loads(line))
             except (ValueError, InvalidRecord) as exc:
                 self._reject(str(exc), line)
                 continue
             good.append(line)
+            if isinstance(record, Heartbeat):
+                beats.append(record)
         if good:
             self.spool.stats.received += len(good)
             self.spool.append(good)
+        if self.watcher is not None:
+            for beat in beats:
+                try:
+                    self.watcher.observe(beat)
+                except Exception as exc:
+                    self.log.exception("process watcher refused a heartbeat: %r", exc)
 
     def _reject(self, reason: str, line: bytes = b"") -> None:
         self.spool.stats.rejected += 1
@@ -221,14 +256,16 @@ class NodeAgent:
         values = asdict(self.spool.stats)
         values["pending_segments"] = len(self.spool.sealed())
         values["connections"] = self.connections
+        values.update(asdict(self.watcher.stats if self.watcher is not None else WatchStats()))
         return values
 
     def log_stats(self) -> None:
         s = self.stats()
         self.log.info(
-            "received %d, spooled %d, shipped %d, rejected %d, pending segments %d, retries %d",
+            "received %d, spooled %d, shipped %d, rejected %d, pending segments %d, retries %d, "
+            "process samples %d, stacks %d (%d failed)",
             s["received"], s["spooled"], s["shipped"], s["rejected"], s["pending_segments"],
-            s["retries"],
+            s["retries"], s["process_samples"], s["stacks_captured"], s["stacks_failed"],
         )
 
     def write_stats(self) -> None:
@@ -265,7 +302,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-s", type=float, default=10.0, help="shipping budget at stop")
     parser.add_argument("--seal-interval", type=float, default=0.2)
     parser.add_argument("--seal-records", type=int, default=5000)
+    parser.add_argument("--proc-interval", type=_seconds, default=1.0,
+                        help="seconds between /proc samples of each rank (0: off)")
+    parser.add_argument("--stack-after", type=_seconds, default=2.0,
+                        help="capture a rank's stack once it is stuck this long (0: off)")
+    parser.add_argument("--stack-repeat", type=_seconds, default=30.0,
+                        help="capture again every this many seconds while it stays stuck")
+    parser.add_argument("--py-spy", default=None, metavar="PATH",
+                        help="py-spy binary (default: on PATH, else beside this Python)")
     return parser.parse_args(argv)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, e.g. 1.5") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds >= 0")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,9 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         args.spool, node=args.node, seal_records=args.seal_records,
         seal_interval_s=args.seal_interval,
     )
+    watcher = ProcWatcher(
+        emit=spool_writer(spool), proc_interval_s=args.proc_interval,
+        stack_after_s=args.stack_after, stack_repeat_s=args.stack_repeat,
+        capturer=PySpy(find_py_spy(args.py_spy)), job=args.job, node=args.node,
+    )
     agent = NodeAgent(
         job=args.job, node=args.node, socket_path=args.socket, spool=spool, sink=sink,
-        stats_file=args.stats_file, stats_interval_s=args.stats_interval,
+        stats_file=args.stats_file, stats_interval_s=args.stats_interval, watcher=watcher,
     )
     stop = threading.Event()
 

@@ -39,6 +39,7 @@ from tracehound.tracing.events import (
     Heartbeat,
     Incident,
     ProcessGroupInfo,
+    ProcessSample,
     RankExit,
     StackSample,
 )
@@ -50,6 +51,7 @@ from tracehound.tracing.schema import (
     HEARTBEATS,
     INCIDENTS,
     PROCESS_GROUPS,
+    PROCESSES,
     RANK_EXITS,
     RECORD_TABLES,
     STACKS,
@@ -120,6 +122,13 @@ def _stack_row(batch_id: str, r: StackSample) -> tuple[Any, ...]:
     return (batch_id, r.job, r.attempt, r.node, r.rank, r.time_us, list(r.frames))
 
 
+def _process_row(batch_id: str, r: ProcessSample) -> tuple[Any, ...]:
+    return (
+        batch_id, r.job, r.attempt, r.node, r.rank, r.pid, r.time_us, r.state, float(r.cpu_s),
+        float(r.cpu_rate), r.read_bytes, r.write_bytes, float(r.io_rate),
+    )
+
+
 def _incident_row(i: Incident) -> tuple[Any, ...]:
     return (
         i.job, i.incident_id, i.attempt, i.detected_at_us, i.kind, list(i.culprit_ranks),
@@ -138,6 +147,7 @@ _RECORD_TABLE: dict[type, tuple[Table, Callable[[str, Any], tuple[Any, ...]]]] =
     RankExit: (RANK_EXITS, _exit_row),
     HealthSample: (HEALTH, _health_row),
     StackSample: (STACKS, _stack_row),
+    ProcessSample: (PROCESSES, _process_row),
 }
 
 
@@ -207,6 +217,14 @@ def _stack(r: Row) -> StackSample:
     return StackSample(
         job=JobId(r[0]), attempt=int(r[1]), node=NodeId(r[2]), rank=Rank(int(r[3])),
         time_us=int(r[4]), frames=tuple(r[5]),
+    )
+
+
+def _process(r: Row) -> ProcessSample:
+    return ProcessSample(
+        job=JobId(r[0]), attempt=int(r[1]), node=NodeId(r[2]), rank=Rank(int(r[3])),
+        pid=int(r[4]), time_us=int(r[5]), state=r[6], cpu_s=float(r[7]), cpu_rate=float(r[8]),
+        read_bytes=int(r[9]), write_bytes=int(r[10]), io_rate=float(r[11]),
     )
 
 
@@ -319,6 +337,15 @@ SQL_ACTIONS_OF_JOB = _SELECT_ACTIONS + "WHERE job = {job:String} ORDER BY time_u
 SQL_LATEST_STACKS = """
 SELECT job, attempt, node, rank, time_us, frames
 FROM {db}.stacks
+WHERE job = {job:String} AND attempt = {attempt:UInt32} AND time_us >= {since_us:UInt64}
+ORDER BY rank, time_us DESC
+LIMIT 1 BY rank
+"""
+
+SQL_LATEST_PROCESSES = """
+SELECT job, attempt, node, rank, pid, time_us, state, cpu_s, cpu_rate, read_bytes, write_bytes,
+       io_rate
+FROM {db}.processes
 WHERE job = {job:String} AND attempt = {attempt:UInt32} AND time_us >= {since_us:UInt64}
 ORDER BY rank, time_us DESC
 LIMIT 1 BY rank
@@ -462,6 +489,7 @@ READ_QUERIES: dict[str, tuple[Table, str]] = {
     "incidents": (INCIDENTS, SQL_INCIDENTS_ALL),
     "actions": (ACTIONS, SQL_ACTIONS_ALL),
     "latest_stacks": (STACKS, SQL_LATEST_STACKS),
+    "latest_processes": (PROCESSES, SQL_LATEST_PROCESSES),
     "health": (HEALTH, SQL_HEALTH),
 }
 """The queries that read whole records back, with their table (checked against the schema)."""
@@ -706,6 +734,13 @@ class SqlTraceStore(abc.ABC):
             {"job": job, "attempt": attempt, "since_us": max(since_us, 0)},
         )
         return [_stack(r) for r in rows]
+
+    def latest_processes(self, job: JobId, attempt: int, since_us: int) -> list[ProcessSample]:
+        rows = self._query(
+            self._sql(SQL_LATEST_PROCESSES),
+            {"job": job, "attempt": attempt, "since_us": max(since_us, 0)},
+        )
+        return [_process(r) for r in rows]
 
     def health(self, nodes: Sequence[str], start_us: int, end_us: int) -> list[HealthSample]:
         wanted = sorted(set(nodes))

@@ -137,6 +137,10 @@ class IncidentKind(enum.StrEnum):
     ranks' stack traces single out the culprits."""
     NODE_OUTLIER = "node_outlier"
     """A machine stays an outlier among similar machines over consecutive windows."""
+    STALL = "stall"
+    """Peers wait on a rank that is alive and busy outside collectives (writing a checkpoint,
+    evaluating, compiling, loading data): recorded and watched, never acted on until the busy
+    grace has passed."""
 
 
 class HealthSeverity(enum.StrEnum):
@@ -177,6 +181,48 @@ class StackSample:
     rank: Rank
     time_us: int
     frames: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessSample:
+    """What the node agent sees of one rank's process from outside (`/proc`): whether it runs,
+    sleeps, is stopped or gone, and how much CPU and I/O it used lately. It tells a rank that is
+    busy (writing a checkpoint, evaluating, loading data) from one that is frozen, even when the
+    rank's own heartbeats cannot get out."""
+
+    job: JobId
+    attempt: int
+    node: NodeId
+    rank: Rank
+    pid: int
+    time_us: int
+    state: str
+    """The kernel's state letter (`R` running, `S` sleeping, `D` disk wait, `T` stopped, `t`
+    traced, `Z` zombie, `X` dead), or `gone` when the process no longer exists."""
+    cpu_s: float
+    """User plus system CPU seconds the process has used so far."""
+    cpu_rate: float
+    """CPU seconds per second over the last sampling interval (0 when idle; above 1 with
+    several busy threads)."""
+    read_bytes: int
+    """Bytes the process has read from storage so far (0 where `/proc/PID/io` is unreadable)."""
+    write_bytes: int
+    """Bytes the process has written to storage so far."""
+    io_rate: float
+    """Bytes per second read plus written over the last sampling interval."""
+
+
+class ProcessState(enum.StrEnum):
+    """The values of `ProcessSample.state` that mean something to the analysis."""
+
+    RUNNING = "R"
+    SLEEPING = "S"
+    DISK_WAIT = "D"
+    STOPPED = "T"
+    TRACED = "t"
+    ZOMBIE = "Z"
+    DEAD = "X"
+    GONE = "gone"
 
 
 class ActionKind(enum.StrEnum):
@@ -225,7 +271,10 @@ class Incident:
     """Filled in when read back from a store; ignored when recorded."""
 
 
-Record = CollectiveEvent | Heartbeat | ProcessGroupInfo | RankExit | HealthSample | StackSample
+Record = (
+    CollectiveEvent | Heartbeat | ProcessGroupInfo | RankExit | HealthSample | StackSample
+    | ProcessSample
+)
 """What a batch carries from the ranks to the store."""
 
 

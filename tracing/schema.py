@@ -153,6 +153,18 @@ STACKS = Table(
     key=("job", "attempt", "rank", "time_us"),
 )
 
+PROCESSES = Table(
+    name="processes",
+    columns=_cols(
+        "batch_id String, job String, attempt UInt32, node String, rank UInt32, pid UInt32,"
+        " time_us UInt64, state String, cpu_s Float64, cpu_rate Float64, read_bytes UInt64,"
+        " write_bytes UInt64, io_rate Float64"
+    ),
+    time_column="time_us",
+    order_by=("job", "attempt", "rank", "time_us"),
+    key=("job", "attempt", "rank", "pid", "time_us"),
+)
+
 INCIDENTS = Table(
     name="incidents",
     columns=_cols(
@@ -174,7 +186,9 @@ ACTIONS = Table(
     order_by=("job", "incident_id", "time_us"),
 )
 
-RECORD_TABLES = (COLLECTIVES, HEARTBEATS, PROCESS_GROUPS, RANK_EXITS, HEALTH, STACKS)
+RECORD_TABLES = (
+    COLLECTIVES, HEARTBEATS, PROCESS_GROUPS, RANK_EXITS, HEALTH, STACKS, PROCESSES,
+)
 """Tables filled from batches; each has batch_id and a key."""
 
 TABLES = (*RECORD_TABLES, INCIDENTS, ACTIONS)

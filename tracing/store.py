@@ -27,6 +27,7 @@ from tracehound.tracing.events import (
     Heartbeat,
     Incident,
     ProcessGroupInfo,
+    ProcessSample,
     RankExit,
     StackSample,
 )
@@ -151,6 +152,11 @@ class TraceStore(Protocol):
 
     def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:
         """The newest stack sample of every rank taken at or after `since_us`, ordered by rank."""
+        ...
+
+    def latest_processes(self, job: JobId, attempt: int, since_us: int) -> list[ProcessSample]:
+        """The newest process sample of every rank taken at or after `since_us`, ordered by
+        rank."""
         ...
 
     def health(self, nodes: Sequence[str], start_us: int, end_us: int) -> list[HealthSample]:

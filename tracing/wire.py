@@ -23,15 +23,16 @@ from tracehound.tracing.events import (
     HealthSeverity,
     Heartbeat,
     ProcessGroupInfo,
+    ProcessSample,
     RankExit,
     Record,
     StackSample,
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 
-RecordType = Literal["collective", "heartbeat", "group", "exit", "health", "stack"]
+RecordType = Literal["collective", "heartbeat", "group", "exit", "health", "stack", "process"]
 RECORD_TYPES: tuple[RecordType, ...] = (
-    "collective", "heartbeat", "group", "exit", "health", "stack",
+    "collective", "heartbeat", "group", "exit", "health", "stack", "process",
 )
 """Every `type` a record may have on the wire."""
 
@@ -130,7 +131,25 @@ class StackWire(TypedDict):
     frames: list[str]
 
 
-RecordWire = CollectiveWire | HeartbeatWire | GroupWire | ExitWire | HealthWire | StackWire
+class ProcessWire(TypedDict):
+    type: Literal["process"]
+    job: str
+    attempt: int
+    node: str
+    rank: int
+    pid: int
+    time_us: int
+    state: str
+    cpu_s: float
+    cpu_rate: float
+    read_bytes: int
+    write_bytes: int
+    io_rate: float
+
+
+RecordWire = (
+    CollectiveWire | HeartbeatWire | GroupWire | ExitWire | HealthWire | StackWire | ProcessWire
+)
 
 
 class BatchWire(TypedDict):
@@ -204,6 +223,14 @@ def encode(record: Record) -> RecordWire:
             return StackWire(
                 type="stack", job=record.job, attempt=record.attempt, node=record.node,
                 rank=record.rank, time_us=record.time_us, frames=list(record.frames),
+            )
+        case ProcessSample():
+            return ProcessWire(
+                type="process", job=record.job, attempt=record.attempt, node=record.node,
+                rank=record.rank, pid=record.pid, time_us=record.time_us, state=record.state,
+                cpu_s=float(record.cpu_s), cpu_rate=float(record.cpu_rate),
+                read_bytes=record.read_bytes, write_bytes=record.write_bytes,
+                io_rate=float(record.io_rate),
             )
 
 
@@ -353,6 +380,14 @@ def decode(raw: Any) -> Record:
             pid=_int(raw, "pid", hi=_MAX_I32),
             exit_code=_int(raw, "exit_code", lo=-_MAX_I32, hi=_MAX_I32),
             time_us=_int(raw, "time_us"),
+        )
+    if kind == "process":
+        return ProcessSample(
+            job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
+            pid=_int(raw, "pid", hi=_MAX_I32), time_us=_int(raw, "time_us"),
+            state=_str(raw, "state"), cpu_s=_float(raw, "cpu_s"),
+            cpu_rate=_float(raw, "cpu_rate"), read_bytes=_int(raw, "read_bytes"),
+            write_bytes=_int(raw, "write_bytes"), io_rate=_float(raw, "io_rate"),
         )
     return StackSample(
         job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
