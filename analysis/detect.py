@@ -19,10 +19,17 @@ Pure: no I/O, no clock; the snapshot carries the time.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from tracehound.analysis.common import group_members, rank_nodes
+from tracehound.analysis.common import group_members, ordered_nodes, rank_nodes
+from tracehound.analysis.liveness import (
+    RankLife,
+    assess,
+    last_activity_us,
+    process_words,
+    where_words,
+)
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import Heartbeat, IncidentKind, RankExit
@@ -40,6 +47,10 @@ class DetectionSettings:
     milliseconds to seconds; raise it for jobs with longer legitimate waits."""
     heartbeat_timeout_s: float = 2.5
     """A rank silent for this long (heartbeats arrive every 0.5 s by default) is not reporting."""
+    busy_grace_s: float = 600.0
+    """Peers may wait this long on a rank that is alive and busy outside collectives (writing a
+    checkpoint, evaluating, compiling, loading data) before it counts as a hang; until then it is
+    a stall, recorded and watched. Like torch's own watchdog, 10 minutes by default."""
     crash_settle_s: float = 0.3
     """How long after the first failed exit to wait for earlier exits still in flight."""
     max_evidence: int = 32
@@ -239,18 +250,21 @@ class _WaitsFor:
     """The waits-for graph of a snapshot, with edges computed per (group, seq) on demand.
 
     A rank inside collective `seq` of `group` waits on every member of the group whose highest
-    entered sequence id is below `seq` (members that never reported count as 0)."""
+    entered sequence id is below `seq` (members that never reported count as 0), and on every
+    frozen member, entered or not: a frozen process completes nothing. Frozen ranks themselves
+    wait on nobody."""
 
     def __init__(self, beats: Mapping[int, Heartbeat], exited: set[int],
-                 members: Mapping[str, frozenset[int]]) -> None:
+                 members: Mapping[str, frozenset[int]], frozen: frozenset[int]) -> None:
         self.reached: dict[tuple[int, str], int] = {}
         self.pending: dict[int, list[tuple[str, int]]] = {}
         for rank, hb in beats.items():
             for g in hb.groups:
                 self.reached[(rank, g.group)] = g.last_enqueued
-                if g.pending_op and rank not in exited:
+                if g.pending_op and rank not in exited and rank not in frozen:
                     self.pending.setdefault(rank, []).append((g.group, g.last_enqueued))
         self._members = members
+        self._frozen = frozen
         self._lag: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def entered(self, rank: int, group: str) -> int:
@@ -261,17 +275,20 @@ class _WaitsFor:
         found = self._lag.get(key)
         if found is None:
             found = tuple(
-                m for m in self._members.get(group, ()) if self.reached.get((m, group), 0) < seq
+                m for m in self._members.get(group, ())
+                if self.reached.get((m, group), 0) < seq or m in self._frozen
             )
             self._lag[key] = found
         return found
 
     def waits_on_someone(self, rank: int) -> bool:
-        return any(self.laggards(g, s) for g, s in self.pending.get(rank, ()))
+        return any(
+            any(m != rank for m in self.laggards(g, s)) for g, s in self.pending.get(rank, ())
+        )
 
-    def roots(self, start: Iterable[int]) -> set[int]:
-        """Ranks reachable from `start` that wait on nobody; where the reachable ranks only wait
-        on each other (a cycle), all of them."""
+    def roots(self, start: Iterable[int]) -> tuple[set[int], bool]:
+        """Ranks reachable from `start` that wait on nobody, and True; where the reachable ranks
+        only wait on each other (a cycle), all of them, and False."""
         expanded: set[tuple[str, int]] = set()
         reached: set[int] = set()
         frontier: list[int] = []
@@ -291,11 +308,20 @@ class _WaitsFor:
             reached.add(rank)
             expand(rank)
         roots = {r for r in reached if not self.waits_on_someone(r)}
-        return roots or reached
+        return (roots, True) if roots else (reached, False)
+
+
+def _stuck_us(hb: Heartbeat | None) -> int:
+    """How long a reporting rank has been inside its longest-pending operation (own clock)."""
+    if hb is None:
+        return 0
+    return max((hb.time_us - g.last_enqueue_us for g in hb.groups if g.pending_op), default=0)
 
 
 def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | None:
-    """A stall localized by control dependency (see the module docstring)."""
+    """A stall localized by control dependency (see the module docstring), judged by what the
+    ranks it leads to are doing (`analysis.liveness`): frozen or stuck ranks make a hang at
+    once; busy ones a stall, and a hang only once peers have waited the busy grace."""
     beats: dict[int, Heartbeat] = {int(hb.rank): hb for hb in snap.heartbeats}
     exited = {int(e.rank) for e in snap.exits}
     silent_after_us = snap.now_us - int(settings.heartbeat_timeout_s * _US)
@@ -320,18 +346,20 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         return nodes.get(rank, "unknown")
 
     members = group_members(snap)
-    silent = {
-        r for r, hb in beats.items() if r not in exited and hb.time_us < silent_after_us
-    }
     expected = set(snap.expected_ranks) | set(beats)
-    never_reported = {r for r in expected if r not in beats and r not in exited}
+    lives = assess(snap, heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                   ranks={r: beats.get(r) for r in expected})
+    frozen = frozenset(r for r, life in lives.items() if life.frozen)
+    silent = {r for r in frozen if r in beats}
+    never_reported = {r for r in frozen if r not in beats}
 
     # waits-for edges: a rank inside a collective waits on every member of that group that has
-    # not entered it yet. Every pending rank contributes edges, not only those past the hang
-    # threshold: a rank that entered the stalled collective's predecessor a moment later than
-    # its peers waits there too, and the chain must run through it to the root.
-    graph = _WaitsFor(beats, exited, members)
-    roots = graph.roots(w.rank for w in stalled)
+    # not entered it yet, and on its frozen members. Every pending rank contributes edges, not
+    # only those past the hang threshold: a rank that entered the stalled collective's
+    # predecessor a moment later than its peers waits there too, and the chain must run
+    # through it to the root.
+    graph = _WaitsFor(beats, exited, members, frozen)
+    roots, acyclic = graph.roots(w.rank for w in stalled)
 
     stalled_groups: dict[str, int] = {}
     for wait in stalled:
@@ -348,11 +376,121 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                 fact=Fact.LAGGING, rank=member, node=node_of(member), group=group,
                 seq=seq, value=float(seq - reached),
                 detail=(
-                    f"rank {member} on node {node_of(member)} never entered "
-                    f"collective #{seq} of group {group} ({where}); "
-                    f"{waiting_in[group]} rank(s) wait on it"
+                    f"rank {member} on node {node_of(member)} "
+                    + (f"never entered collective #{seq} of group {group} ({where}); "
+                       if reached < seq else
+                       f"entered collective #{seq} of group {group} and froze there; ")
+                    + f"{waiting_in[group]} rank(s) wait on it"
                 ),
             )
+    longest = max(stalled, key=lambda w: w.waited_us)
+
+    # What the roots are doing decides between a hang now and a stall.
+    busy: list[int] = []
+    hard: list[int] = []
+    for r in roots:
+        life = lives.get(r)
+        if (r in exited or life is None or life.frozen or not acyclic
+                or _stuck_us(beats.get(r)) >= hang_us):
+            hard.append(r)
+        else:
+            busy.append(r)
+    if not hard and busy:
+        if longest.waited_us < int(settings.busy_grace_s * _US):
+            return _stall(snap, settings, busy=busy, lives=lives, beats=beats,
+                          stalled=stalled, longest=longest, node_of=node_of)
+        hard, basis_override = busy, Basis.BUSY_TIMEOUT
+    else:
+        basis_override = None
+
+    if hard:
+        culprits = set(hard)
+        # Frozen culprits that entered the collective their peers wait in lag in nothing: only
+        # their silence (or stopped process) shows them.
+        lagging = {r for r in culprits if r in lag_facts and lag_facts[r].value > 0}
+        basis = basis_override or (
+            Basis.HEARTBEAT_LOSS if culprits <= frozen and not lagging
+            else Basis.CONTROL_DEPENDENCY
+        )
+        corroborated = culprits & frozen
+        confidence = 0.95 if corroborated == culprits else 0.85
+        if basis is Basis.BUSY_TIMEOUT:
+            confidence = 0.8
+    elif frozen:
+        culprits = set(frozen)
+        basis = Basis.HEARTBEAT_LOSS
+        confidence = 0.75
+    else:
+        # Nobody lags and nobody is frozen: every member is inside the collective. Unless they
+        # have all been there for the hang threshold, it is one that has just filled up; and a
+        # member that completed it or moved past it shows that it did complete (the waiters'
+        # newest heartbeats were sent a moment before).
+        group_s = longest.group
+        seq_s = stalled_groups[group_s]
+        for m in members.get(group_s, ()):
+            beat = beats.get(m)
+            if m in exited or beat is None:
+                continue
+            mine = next((g for g in beat.groups if g.group == group_s), None)
+            if mine is None:
+                continue
+            if mine.last_completed >= seq_s or mine.last_enqueued > seq_s:
+                return None
+            if mine.last_enqueued == seq_s and mine.pending_op and (
+                beat.time_us - mine.last_enqueue_us < hang_us
+            ):
+                return None
+        culprits = set().union(*(members.get(g, frozenset()) for g in stalled_groups))
+        basis = Basis.UNLOCALIZED
+        confidence = 0.3
+
+    cap = settings.max_evidence
+
+    def evidence_order(r: int) -> tuple[int, int, float, int]:
+        """Culprits first: frozen (by how sure and how long), then stuck (longest first), then
+        the rest; the rank number only breaks exact ties."""
+        life = lives.get(r)
+        if r not in culprits:
+            return (9, 0, 0.0, r)
+        if life is not None and life.frozen:
+            return (0, life.strength[0], life.strength[1], r)
+        return (1, 0, -_stuck_us(beats.get(r)), r)
+
+    ordered = sorted(culprits, key=evidence_order)
+
+    def culprits_first(ranks: Iterable[int]) -> list[int]:
+        return sorted(ranks, key=evidence_order)[:cap]
+
+    frozen_facts = [
+        Evidence(
+            fact=Fact.SILENT if r in beats and lives[r].strength[0] == 1 else Fact.FROZEN,
+            rank=r, node=node_of(r),
+            value=_sec(snap.now_us - beats[r].time_us) if r in beats else 0.0,
+            detail=f"rank {r} on node {node_of(r)} is frozen: {lives[r].why}, while its "
+                   "peers wait",
+        )
+        for r in culprits_first(silent)
+    ]
+    missing_facts = [
+        Evidence(fact=Fact.MISSING, rank=r, node=node_of(r),
+                 detail=f"rank {r} on node {node_of(r)} never reported")
+        for r in culprits_first(never_reported)
+    ]
+    stuck_facts = [
+        Evidence(
+            fact=Fact.STUCK, rank=r, node=node_of(r), value=_sec(_stuck_us(beats.get(r))),
+            detail=(
+                f"rank {r} on node {node_of(r)} has been inside one operation for "
+                f"{_sec(_stuck_us(beats.get(r))):.1f} s that does not complete"
+                if basis is not Basis.BUSY_TIMEOUT else
+                f"rank {r} on node {node_of(r)} has kept its peers waiting for "
+                f"{_sec(longest.waited_us):.1f} s, longer than the busy grace of "
+                f"{settings.busy_grace_s:.0f} s, outside collectives"
+                + _busy_where(lives.get(r), beats.get(r))
+            ),
+        )
+        for r in ordered if r not in frozen and r in beats and r not in exited
+    ][:cap]
     waiting_facts = [
         Evidence(
             fact=Fact.WAITING, rank=wait.rank, node=node_of(wait.rank),
@@ -363,42 +501,6 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             ),
         )
         for wait in sorted(stalled, key=lambda w: (-w.waited_us, w.rank))[:8]
-    ]
-
-    if roots:
-        culprits = roots
-        basis = Basis.CONTROL_DEPENDENCY
-        corroborated = culprits & (silent | never_reported)
-        confidence = 0.95 if corroborated == culprits else 0.85
-    elif silent or never_reported:
-        culprits = silent | never_reported
-        basis = Basis.HEARTBEAT_LOSS
-        confidence = 0.75
-    else:
-        culprits = set().union(*(members.get(g, frozenset()) for g in stalled_groups))
-        basis = Basis.UNLOCALIZED
-        confidence = 0.3
-
-    cap = settings.max_evidence
-
-    def culprits_first(ranks: Iterable[int]) -> list[int]:
-        return sorted(ranks, key=lambda r: (r not in culprits, r))[:cap]
-
-    silent_facts = [
-        Evidence(
-            fact=Fact.SILENT, rank=r, node=node_of(r),
-            value=_sec(snap.now_us - beats[r].time_us),
-            detail=(
-                f"rank {r} on node {node_of(r)} has sent no heartbeat for "
-                f"{_sec(snap.now_us - beats[r].time_us):.1f} s while its peers wait"
-            ),
-        )
-        for r in culprits_first(silent)
-    ]
-    missing_facts = [
-        Evidence(fact=Fact.MISSING, rank=r, node=node_of(r),
-                 detail=f"rank {r} on node {node_of(r)} never reported")
-        for r in culprits_first(never_reported)
     ]
     # Laggards that are not culprits are themselves blocked further down the chain: name the
     # culprits' facts one by one, and the others once per group, so the evidence of a 10,000-rank
@@ -420,12 +522,11 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         for group, rs in sorted(blocked.items())
     ]
     evidence = (
-        [lag_facts[r] for r in sorted(lag_facts) if r in culprits][:cap] + silent_facts
-        + missing_facts + blocked_facts[:cap] + waiting_facts
+        [lag_facts[r] for r in culprits_first(lag_facts) if r in culprits][:cap] + frozen_facts
+        + missing_facts + stuck_facts + blocked_facts[:cap] + waiting_facts
     )
-    ranks = tuple(sorted(culprits))
-    culprit_nodes = tuple(sorted({node_of(r) for r in ranks}))
-    longest = max(stalled, key=lambda w: w.waited_us)
+    ranks = tuple(ordered)
+    culprit_nodes = ordered_nodes(ranks, nodes)
     if basis is Basis.UNLOCALIZED:
         summary = (
             f"{len(stalled)} rank(s) have waited up to {_sec(longest.waited_us):.1f} s in "
@@ -434,8 +535,12 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     else:
         who = ", ".join(f"rank {r} on node {node_of(r)}" for r in ranks[:4])
         more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
+        lead = lives.get(ranks[0])
+        state = f" ({lead.why})" if lead is not None and lead.frozen and len(ranks) == 1 else ""
+        if basis is Basis.BUSY_TIMEOUT:
+            state = f" (busy outside collectives past the {settings.busy_grace_s:.0f} s grace)"
         summary = (
-            f"{who}{more} blocked the job: {len(stalled)} rank(s) have waited up to "
+            f"{who}{more}{state} blocked the job: {len(stalled)} rank(s) have waited up to "
             f"{_sec(longest.waited_us):.1f} s in {longest.op} #{longest.seq} of group "
             f"{longest.group}"
         )
@@ -449,6 +554,87 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         job=snap.job, attempt=snap.attempt, kind=IncidentKind.HANG, culprit_ranks=ranks,
         culprit_nodes=culprit_nodes, confidence=confidence, basis=basis, summary=summary,
         evidence=tuple(evidence), observed_at_us=snap.now_us, group=group,
+    )
+
+
+def _busy_where(life: RankLife | None, hb: Heartbeat | None) -> str:
+    """"; state R, CPU ...; at a.py:1 f > b.py:2 g" for a busy rank, from what is known."""
+    if life is None:
+        return ""
+    parts = []
+    proc = process_words(life.process)
+    if proc:
+        parts.append(f"process {proc}")
+    where = where_words(life, last_activity_us(hb) if hb is not None else 0)
+    if where:
+        parts.append(f"at {where}")
+    return "; " + "; ".join(parts) if parts else ""
+
+
+def _stall(
+    snap: JobSnapshot, settings: DetectionSettings, *, busy: list[int],
+    lives: Mapping[int, RankLife], beats: Mapping[int, Heartbeat], stalled: list[_Wait],
+    longest: _Wait, node_of: Callable[[int], str],
+) -> Verdict:
+    """Peers wait on ranks that are alive and busy outside collectives: a stall, not a hang."""
+
+    def busy_us(r: int) -> int:
+        hb = beats.get(r)
+        if hb is None:
+            return longest.waited_us
+        since = last_activity_us(hb)
+        return snap.now_us - since if since else longest.waited_us
+
+    ranks = tuple(sorted(busy, key=lambda r: (-busy_us(r), r)))
+    evidence = [
+        Evidence(
+            fact=Fact.BUSY, rank=r, node=node_of(r), value=_sec(busy_us(r)),
+            detail=(
+                f"rank {r} on node {node_of(r)} is alive and outside collectives for "
+                f"{_sec(busy_us(r)):.1f} s ({lives[r].why})"
+                + _busy_where(lives.get(r), beats.get(r))
+            ),
+        )
+        for r in ranks[: settings.max_evidence]
+    ]
+    for r in ranks[: settings.max_evidence]:
+        life = lives[r]
+        hb = beats.get(r)
+        if life.stack is not None and life.stack.frames and (
+            hb is None or life.stack.time_us >= last_activity_us(hb)
+        ):
+            evidence.append(Evidence(
+                fact=Fact.STACK, rank=r, node=node_of(r), value=_sec(life.stack.time_us),
+                detail=f"rank {r} stack, outermost first: " + " > ".join(life.stack.frames),
+            ))
+    evidence += [
+        Evidence(
+            fact=Fact.WAITING, rank=wait.rank, node=node_of(wait.rank), group=wait.group,
+            seq=wait.seq, value=_sec(wait.waited_us),
+            detail=(
+                f"rank {wait.rank} has waited {_sec(wait.waited_us):.1f} s in "
+                f"{wait.op} #{wait.seq} of group {wait.group}"
+            ),
+        )
+        for wait in sorted(stalled, key=lambda w: (-w.waited_us, w.rank))[:8]
+    ]
+    lead = ranks[0]
+    where = where_words(lives[lead], last_activity_us(beats[lead]) if lead in beats else 0)
+    who = ", ".join(f"rank {r} on node {node_of(r)}" for r in ranks[:4])
+    more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
+    summary = (
+        f"{who}{more} {'is' if len(ranks) == 1 else 'are'} busy outside collectives, not hung"
+        + (f" (at {where})" if where else "")
+        + f": {len(stalled)} rank(s) have waited up to {_sec(longest.waited_us):.1f} s in "
+        f"{longest.op} #{longest.seq} of group {longest.group}; nothing is done unless it "
+        f"lasts {settings.busy_grace_s:.0f} s"
+    )
+    nodes = {r: node_of(r) for r in ranks}
+    return Verdict(
+        job=snap.job, attempt=snap.attempt, kind=IncidentKind.STALL, culprit_ranks=ranks,
+        culprit_nodes=ordered_nodes(ranks, nodes), confidence=0.9,
+        basis=Basis.CONTROL_DEPENDENCY, summary=summary, evidence=tuple(evidence),
+        observed_at_us=snap.now_us, group=longest.group,
     )
 
 

@@ -7,6 +7,9 @@ evidence is:
 
 - A crash stalls its peers and a mismatch hangs its group: their own evidence (an exit, a vote)
   explains the stall better than the stall does.
+- A stall (peers wait on a rank that is alive and busy outside collectives) stands as it is
+  and hides the window anomalies while it lasts; only a critical health event on the busy
+  rank's node (not a warning) turns it into a hardware verdict.
 - A hang that control dependency cannot localize is handed to the stack traces (silent hang).
 - A hardware health event on the culprit node of a hang, silent hang, slow link, straggler or
   node outlier turns that verdict into a hardware verdict on that node. Among the anomalies
@@ -28,6 +31,7 @@ from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_h
 from tracehound.analysis.hardware import (
     correlate_hardware,
     detect_slow_node,
+    health_events,
     with_health_evidence,
 )
 from tracehound.analysis.links import detect_slow_link
@@ -37,7 +41,7 @@ from tracehound.analysis.outliers import detect_node_outliers
 from tracehound.analysis.stacks import detect_silent_hang
 from tracehound.analysis.straggler import detect_straggler
 from tracehound.analysis.verdict import Basis, Verdict
-from tracehound.tracing.events import IncidentKind
+from tracehound.tracing.events import HealthSeverity, IncidentKind
 
 _CORROBORATED = frozenset({IncidentKind.STRAGGLER, IncidentKind.SLOW_LINK})
 
@@ -69,6 +73,15 @@ def diagnose_observation(obs: Observation,
         return mismatch
     hang = detect_hang(snap, settings)
     if hang is not None:
+        if hang.kind is IncidentKind.STALL:
+            # A busy rank is alive: only a critical device event (a GPU fallen off the bus, an
+            # uncorrectable ECC error) on its node makes its machine the cause.
+            events = health_events(obs, settings)
+            if any(n in events and events[n][0].severity is HealthSeverity.CRITICAL
+                   for n in hang.culprit_nodes):
+                return correlate_hardware(replace(hang, kind=IncidentKind.HANG), obs,
+                                          settings) or hang
+            return hang
         if hang.basis is Basis.UNLOCALIZED:
             hang = detect_silent_hang(obs, settings, stall=hang) or hang
         return correlate_hardware(hang, obs, settings) or hang

@@ -6,7 +6,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tracehound.tracing.events import Heartbeat, ProcessGroupInfo, RankExit, Record
+from tracehound.tracing.events import (
+    Heartbeat,
+    ProcessGroupInfo,
+    ProcessSample,
+    RankExit,
+    Record,
+    StackSample,
+)
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore
 from tracehound.tracing.wire import InvalidRecord, decode_records, encode
@@ -25,6 +32,10 @@ class JobSnapshot:
     groups: tuple[ProcessGroupInfo, ...] = ()
     expected_ranks: Mapping[int, str] = field(default_factory=dict)
     """Rank -> node for every rank the launcher started (may be empty when unknown)."""
+    processes: tuple[ProcessSample, ...] = ()
+    """The newest process sample of each rank (node agent, `/proc`), where there is one."""
+    stacks: tuple[StackSample, ...] = ()
+    """The newest stack sample of each rank taken lately, where there is one."""
 
     def node_of(self, rank: int) -> str:
         """The node a rank ran on, from whatever record names it."""
@@ -39,6 +50,10 @@ class JobSnapshot:
         return "unknown"
 
 
+SAMPLES_HORIZON_S = 120.0
+"""Process and stack samples older than this are not read into a snapshot."""
+
+
 def load_snapshot(
     store: TraceStore,
     *,
@@ -47,7 +62,8 @@ def load_snapshot(
     now_us: int,
     expected_ranks: Mapping[int, str] | None = None,
 ) -> JobSnapshot:
-    """Read what the analysis needs from a store (three small queries, aggregated in SQL)."""
+    """Read what the analysis needs from a store (five small queries, aggregated in SQL)."""
+    since = now_us - int(SAMPLES_HORIZON_S * 1_000_000)
     return JobSnapshot(
         job=job,
         attempt=attempt,
@@ -56,12 +72,16 @@ def load_snapshot(
         exits=tuple(store.exits(job, attempt)),
         groups=tuple(store.groups(job, attempt)),
         expected_ranks=dict(expected_ranks or {}),
+        processes=tuple(store.latest_processes(job, attempt, since)),
+        stacks=tuple(store.latest_stacks(job, attempt, since)),
     )
 
 
 def snapshot_to_json(snap: JobSnapshot) -> str:
     """A snapshot as JSON (records in their wire form), for golden traces and incident evidence."""
-    records: list[Record] = [*snap.heartbeats, *snap.exits, *snap.groups]
+    records: list[Record] = [
+        *snap.heartbeats, *snap.exits, *snap.groups, *snap.processes, *snap.stacks,
+    ]
     return json.dumps(
         {
             "job": snap.job,
@@ -88,4 +108,6 @@ def snapshot_from_json(text: str) -> JobSnapshot:
         exits=tuple(r for r in records if isinstance(r, RankExit)),
         groups=tuple(r for r in records if isinstance(r, ProcessGroupInfo)),
         expected_ranks={int(r): str(n) for r, n in raw.get("expected_ranks", {}).items()},
+        processes=tuple(r for r in records if isinstance(r, ProcessSample)),
+        stacks=tuple(r for r in records if isinstance(r, StackSample)),
     )

@@ -3,7 +3,9 @@
 Used only when the job is known to be stuck and the collective traces do not say by whom: a hang
 that control dependency could not localize (every member pending on the same collective, nobody
 lagging or silent, no op mismatch), or a throughput collapse (the median rank has not finished a
-step for `step_stall_factor` typical step times and `step_stall_min_s`). Stacks of a healthy job
+step for `step_stall_factor` typical step times and `step_stall_min_s`, or for the busy grace when
+no rank waits in a collective: every rank busy on its own is a long evaluation or a checkpoint
+until proven otherwise). Stacks of a healthy job
 are diverse and prove nothing, so this module never judges a job that progresses.
 
 The newest stack of each rank is reduced to a signature, its innermost `stack_frames` frames;
@@ -55,7 +57,17 @@ def throughput_collapse(snap: JobSnapshot, settings: DetectionSettings) -> str |
         return None
     arr = np.asarray(rows, dtype=np.float64)
     since, typical = float(np.median(arr[:, 0])), float(np.median(arr[:, 1]))
-    if since < max(settings.step_stall_factor * typical, settings.step_stall_min_s * US_PER_S):
+    floor = max(settings.step_stall_factor * typical, settings.step_stall_min_s * US_PER_S)
+    waiting = any(
+        g.pending_op
+        for hb in snap.heartbeats if hb.rank not in exited and hb.time_us >= fresh_after
+        for g in hb.groups
+    )
+    if not waiting:
+        # Nobody waits in a collective: every rank is busy on its own (a long evaluation, a
+        # checkpoint on every rank). That is a stall, a fault only after the busy grace.
+        floor = max(floor, settings.busy_grace_s * US_PER_S)
+    if since < floor:
         return None
     return (
         f"the median rank has finished no step for {since / US_PER_S:.1f} s "

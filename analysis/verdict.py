@@ -32,6 +32,9 @@ class Basis(enum.StrEnum):
     """A device health event on the culprit node coincides with the anomaly."""
     OUTLIER_MODEL = "outlier_model"
     """A model over per-node features flags the node in consecutive windows."""
+    BUSY_TIMEOUT = "busy_timeout"
+    """The culprits were alive and busy outside collectives, but kept their peers waiting
+    longer than the busy grace: the program is stuck there, the machine is not implicated."""
 
 
 class Fact(enum.StrEnum):
@@ -48,6 +51,12 @@ class Fact(enum.StrEnum):
     HEALTH = "health"
     STACK = "stack"
     OUTLIER = "outlier"
+    FROZEN = "frozen"
+    """The rank's process is stopped or gone, or it stopped reporting with no sign of life."""
+    STUCK = "stuck"
+    """The rank has been inside one operation that does not complete."""
+    BUSY = "busy"
+    """The rank is alive and outside collectives (checkpoint, evaluation, data loading)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

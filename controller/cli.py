@@ -50,9 +50,37 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _hang_arg(p: argparse.ArgumentParser) -> None:
+def _detection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hang-after", type=float, default=5.0, metavar="S",
-                   help="a rank waiting this long in one collective is a hang (default: 5)")
+                   help="ranks waiting this long in one collective on a rank that is frozen "
+                        "(stopped, gone, silent) or stuck in an operation is a hang "
+                        "(default: 5)")
+    p.add_argument("--busy-grace", type=float, default=600.0, metavar="S",
+                   help="ranks waiting on a rank that is alive and busy outside collectives "
+                        "(checkpoint, evaluation, compilation, data loading) is a stall: "
+                        "recorded, never acted on until it lasts this long; also how long an "
+                        "unsure verdict is watched before a restart that evicts nobody "
+                        "(default: 600, like torch's watchdog)")
+
+
+def _supervisor_settings(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The supervisor's settings from the detection flags; ValueError naming a bad flag."""
+    from tracehound.analysis.detect import DetectionSettings
+    from tracehound.controller.policy import PolicySettings
+    from tracehound.controller.supervisor import SupervisorSettings
+
+    if not args.hang_after > 0:
+        raise ValueError(f"--hang-after must be a positive number of seconds, "
+                         f"got {args.hang_after}")
+    if not args.busy_grace >= args.hang_after:
+        raise ValueError(f"--busy-grace must be at least --hang-after "
+                         f"({args.hang_after} s), got {args.busy_grace}")
+    policy = PolicySettings(watch_s=args.busy_grace,
+                            max_restarts=getattr(args, "max_restarts", 3))
+    return SupervisorSettings(
+        detection=DetectionSettings(hang_after_s=args.hang_after, busy_grace_s=args.busy_grace),
+        policy=policy, **overrides,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
     demo.add_argument("--job-id", help="job id (default: demo-<fault>-<time>)")
     demo.add_argument("--workdir", type=Path, help="checkpoints, spools and logs (default: temp)")
-    _hang_arg(demo)
+    _detection_args(demo)
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     _store_arg(demo)
 
@@ -98,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="checkpoints, spools and logs go under WORKDIR/JOB "
                           "(default: .tracehound/runs)")
     run.add_argument("--max-restarts", type=int, default=3, help="default: 3")
-    _hang_arg(run)
+    _detection_args(run)
     run.add_argument("--timeout", type=float, default=None, metavar="S",
                      help="give up after S seconds (default: never)")
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")
@@ -146,13 +174,9 @@ def _print_json(data: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tracehound.analysis.detect import DetectionSettings
     from tracehound.controller.demo import demo_ok, format_report, run_demo
-    from tracehound.controller.supervisor import SupervisorSettings
 
-    settings = SupervisorSettings(
-        poll_s=0.25, timeout_s=600, detection=DetectionSettings(hang_after_s=args.hang_after)
-    )
+    settings = _supervisor_settings(args, poll_s=0.25, timeout_s=600)
     if not args.json:
         print(f"tracehound demo: 2 nodes x 2 ranks + 1 spare; {args.fault} of rank {args.rank} "
               f"at step {args.fault_step} of {args.steps} ...", file=sys.stderr)
@@ -168,11 +192,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tracehound.analysis.detect import DetectionSettings
     from tracehound.controller.local import LocalOrchestrator
-    from tracehound.controller.policy import PolicySettings
     from tracehound.controller.session import store_session
-    from tracehound.controller.supervisor import JobSpec, Supervisor, SupervisorSettings
+    from tracehound.controller.supervisor import JobSpec, Supervisor
 
     script = Path(args.script)
     if not script.is_file():
@@ -187,11 +209,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         job=JobId(args.job_id), command=(sys.executable, str(script), *args.args),
         nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, spare_nodes=args.spare_nodes,
     )
-    settings = SupervisorSettings(
-        timeout_s=args.timeout,
-        detection=DetectionSettings(hang_after_s=args.hang_after),
-        policy=PolicySettings(max_restarts=args.max_restarts),
-    )
+    settings = _supervisor_settings(args, timeout_s=args.timeout)
     workdir = args.workdir / args.job_id
     with store_session(args.store) as session:
         orch = LocalOrchestrator(workdir=workdir, sink=session.sink)

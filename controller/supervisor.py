@@ -24,12 +24,13 @@ from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import load_observation
 from tracehound.analysis.snapshot import JobSnapshot, snapshot_to_json
-from tracehound.analysis.verdict import Verdict
+from tracehound.analysis.verdict import Fact, Verdict
 from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes, Orchestrator
 from tracehound.controller.policy import (
     SOFT_KINDS,
     PlannedAction,
     PolicySettings,
+    observe_only,
     plan_recovery,
 )
 from tracehound.tracing.errors import TemporaryStoreError
@@ -110,6 +111,10 @@ class Supervisor:
         self.evidence_dir = evidence_dir
         self._last_snapshot: JobSnapshot | None = None
         self._soft_seen: dict[tuple[str, tuple[str, ...]], int] = {}
+        self._first_seen: dict[tuple[object, ...], int] = {}
+        """When each verdict episode (kind, culprits, where) was first seen."""
+        self._recorded: set[tuple[object, ...]] = set()
+        """Watched episodes already recorded as incidents (recorded once, however long)."""
         self._soft_quiet_until = 0
         self.pool = NodePool(
             [NodeId(f"node-{i}") for i in range(spec.nnodes + spec.spare_nodes)]
@@ -141,11 +146,12 @@ class Supervisor:
                 if isinstance(outcome, str):
                     self.orch.stop()
                     return self._result(attempt + 1, completed=False, reason=outcome)
-                gave_up = self._recover(outcome)
+                verdict, steps = outcome
+                gave_up = self._recover(verdict, steps)
                 if gave_up is not None:
                     return self._result(attempt + 1, completed=False,
-                                        reason=f"gave up after {outcome.kind.value} "
-                                               f"({outcome.summary}): {gave_up}")
+                                        reason=f"gave up after {verdict.kind.value} "
+                                               f"({verdict.summary}): {gave_up}")
                 attempt += 1
         finally:
             self.orch.close()
@@ -155,8 +161,12 @@ class Supervisor:
                          incidents=tuple(self._incidents), reason=reason)
 
     # -- one attempt ---------------------------------------------------------------------------
-    def _supervise(self, plan: AttemptPlan, started_us: int) -> Verdict | str | None:
-        """None when the attempt finished cleanly, a verdict when it failed, or a reason to stop."""
+    def _supervise(
+        self, plan: AttemptPlan, started_us: int
+    ) -> tuple[Verdict, tuple[PlannedAction, ...]] | str | None:
+        """None when the attempt finished cleanly, a verdict and the plan that acts on it when it
+        failed, or a reason to stop. Verdicts whose plan only observes are recorded and the
+        attempt goes on."""
         clean: set[int] = set()
         rank_nodes = plan.rank_nodes()
         last_summaries_us = 0
@@ -192,12 +202,22 @@ class Supervisor:
             if verdict is None or not self._soft_gate(verdict, now):
                 continue
             self._last_snapshot = obs.snapshot
-            if verdict.kind in SOFT_KINDS and self._times_seen(verdict) < (
-                self.settings.policy.soft_repeats
-            ):
-                self._recover(verdict)  # observed only; the attempt goes on
-                continue
-            return verdict
+            steps = self._plan(verdict, now)
+            if not observe_only(steps):
+                return verdict, steps
+            key = _episode(verdict)
+            if verdict.kind in SOFT_KINDS or key not in self._recorded:
+                self._recorded.add(key)
+                self._recover(verdict, steps)  # observed only; the attempt goes on
+
+    def _plan(self, verdict: Verdict, now_us: int) -> tuple[PlannedAction, ...]:
+        first = self._first_seen.setdefault(_episode(verdict), now_us)
+        return plan_recovery(
+            verdict, restarts_done=verdict.attempt,
+            healthy_spares=len(self.pool.healthy_spares()), settings=self.settings.policy,
+            times_seen=self._times_seen(verdict) if verdict.kind in SOFT_KINDS else 1,
+            watched_s=(now_us - first) / 1e6,
+        )
 
     def _times_seen(self, verdict: Verdict) -> int:
         return self._soft_seen.get((verdict.kind.value, verdict.culprit_nodes), 1)
@@ -228,9 +248,8 @@ class Supervisor:
                              what=f"the exit of rank {exit_.rank}")
 
     # -- acting on a verdict -------------------------------------------------------------------
-    def _recover(self, verdict: Verdict) -> str | None:
+    def _recover(self, verdict: Verdict, plan: tuple[PlannedAction, ...]) -> str | None:
         """Record the incident and carry out the policy's plan; the reason if it gave up."""
-        times_seen = self._times_seen(verdict) if verdict.kind in SOFT_KINDS else 1
         incident_id = f"{verdict.job}/{verdict.attempt}/{next(self._ids)}"
         detected = self.clock()
         incident = Incident(
@@ -245,11 +264,6 @@ class Supervisor:
         self._store_retrying(lambda: self.store.record_incident(incident),
                              what=f"incident {incident_id}")
         self._keep_evidence(incident_id)
-        plan = plan_recovery(
-            verdict, restarts_done=verdict.attempt,
-            healthy_spares=len(self.pool.healthy_spares()), settings=self.settings.policy,
-            times_seen=times_seen,
-        )
         actions: list[Action] = []
         gave_up: str | None = None
         at = detected
@@ -279,7 +293,9 @@ class Supervisor:
             self.log.warning("could not keep the evidence of %s in %s: %s", incident_id, path, exc)
 
     def _act(self, step: PlannedAction) -> tuple[bool, str]:
-        self.log.info("action %s %s: %s", step.kind.value, step.target, step.reason)
+        # Not acting is news too: whoever reads the log must see why the job was left running.
+        level = logging.WARNING if step.kind is ActionKind.OBSERVE else logging.INFO
+        self.log.log(level, "action %s %s: %s", step.kind.value, step.target, step.reason)
         if step.kind is ActionKind.STOP_JOB:
             self.orch.stop()
             return True, f"stopped; {step.reason}"
@@ -301,3 +317,10 @@ class Supervisor:
                 self.sleep(delay)
         self.log.error("could not record %s: the store %s stayed unavailable", what,
                        self.store.url)
+
+
+def _episode(verdict: Verdict) -> tuple[object, ...]:
+    """What makes two verdicts of successive polls the same incident: kind, culprits and the
+    collective the peers wait in (a stall at the next checkpoint is a new one)."""
+    seq = max((e.seq for e in verdict.evidence if e.fact is Fact.WAITING), default=0)
+    return (verdict.kind.value, verdict.culprit_ranks, verdict.group, seq)

@@ -111,10 +111,19 @@ def test_cross_group_dependency_leads_to_the_root() -> None:
         beat(3, fresh, progress("tp", 8, 8, enq_us=start - S)),
         beat(1, fresh, progress("dp2", 3, 3, enq_us=start - S)),
     ]
+    # Rank 3 lags but reports and is in no operation: busy (computing), a stall, not a hang.
+    stall = detect_hang(snap(now, beats), SETTINGS)
+    assert stall is not None
+    assert stall.kind is IncidentKind.STALL
+    assert stall.culprit_ranks == (3,)
+    # Stuck inside another operation for longer than the hang threshold, it is a hang.
+    beats[2] = beat(3, fresh, progress("tp", 8, 8, enq_us=start - S),
+                    progress("x", 4, 3, enq_us=start - S))
     verdict = detect_hang(snap(now, beats), SETTINGS)
     assert verdict is not None
+    assert verdict.kind is IncidentKind.HANG
     assert verdict.culprit_ranks == (3,)
-    assert verdict.confidence == 0.85  # lagging, but still reporting (busy in computation)
+    assert verdict.confidence == 0.85  # lagging and stuck, but still reporting
 
 
 def test_stall_without_laggard_or_silence_names_the_group_with_low_confidence() -> None:

@@ -65,7 +65,8 @@ def test_a_hang_beats_a_straggler() -> None:
     stop = a.end_us - 8 * S
     beats = [beat(r, a.end_us - S // 5, progress("tp-1", 9, 8, enq_us=stop))
              for r in range(8, 16) if r != 12]
-    beats.append(beat(12, a.end_us - S // 5, progress("tp-1", 8, 8, enq_us=stop - S)))
+    # Rank 12 stopped reporting before it entered #9: frozen.
+    beats.append(beat(12, a.end_us - 4 * S, progress("tp-1", 8, 8, enq_us=stop - S)))
     obs = observe(snapshot(a.end_us, 16, beats), start_us=a.start_us, ranks=a.ranks)
     verdict = diagnose_observation(obs, SETTINGS)
     assert verdict is not None

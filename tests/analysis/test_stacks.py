@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from observation_builders import T0, S, beat, observe, progress, snapshot, stack
 
 from tracehound.analysis.detect import DetectionSettings
@@ -76,19 +78,34 @@ def test_stacks_of_a_job_that_progresses_prove_nothing() -> None:
                                 SETTINGS) is None
 
 
-def test_a_collapse_of_throughput_without_pending_collectives_is_judged_by_stacks() -> None:
-    # Steps took 0.5 s; nobody has finished one for 30 s and nobody waits in a collective.
+def test_a_collapse_of_throughput_without_pending_collectives_waits_for_the_busy_grace() -> None:
+    # Steps took 0.5 s; nobody has finished one for 30 s and nobody waits in a collective: every
+    # rank is busy on its own (a long evaluation looks just like this), so the busy grace holds.
     beats = [beat(r, NOW - S // 5, step=120, step_us=NOW - 30 * S, start_step=0,
                   first_step_us=NOW - 30 * S - 60 * S) for r in range(16)]
-    assert throughput_collapse(snapshot(NOW, 16, beats), SETTINGS) == (
-        "the median rank has finished no step for 29.8 s (a step took 0.50 s before)")
     inner = ("megatron/core/optimizer/clip_grads.py:138 get_grad_norm_fp32",
              "torch/cuda/__init__.py:985 synchronize")
     stacks = tuple(stack(r, *(inner if r == 5 else LOADER)) for r in range(16))
-    verdict = diagnose_observation(observe(snapshot(NOW, 16, beats), stacks=stacks), SETTINGS)
+    assert throughput_collapse(snapshot(NOW, 16, beats), SETTINGS) is None
+    assert diagnose_observation(observe(snapshot(NOW, 16, beats), stacks=stacks),
+                                SETTINGS) is None
+    # Past the grace, the stacks judge it.
+    short = replace(SETTINGS, busy_grace_s=20.0)
+    assert throughput_collapse(snapshot(NOW, 16, beats), short) == (
+        "the median rank has finished no step for 29.8 s (a step took 0.50 s before)")
+    verdict = diagnose_observation(observe(snapshot(NOW, 16, beats), stacks=stacks), short)
     assert verdict is not None
     assert verdict.kind is IncidentKind.SILENT_HANG
     assert verdict.culprit_ranks == (5,)
     healthy = [beat(r, NOW - S // 5, step=120, step_us=NOW - S // 2, start_step=0,
                     first_step_us=NOW - 60 * S) for r in range(16)]
-    assert throughput_collapse(snapshot(NOW, 16, healthy), SETTINGS) is None
+    assert throughput_collapse(snapshot(NOW, 16, healthy), short) is None
+
+
+def test_a_collapse_of_throughput_while_ranks_wait_in_collectives_needs_no_grace() -> None:
+    # Ranks pass through collectives slowly (each wait below the hang threshold): the job crawls.
+    beats = [beat(r, NOW - S // 5, progress("0", 40, 39, enq_us=NOW - 2 * S), step=120,
+                  step_us=NOW - 30 * S, start_step=0, first_step_us=NOW - 30 * S - 60 * S)
+             for r in range(16)]
+    assert throughput_collapse(snapshot(NOW, 16, beats), SETTINGS) == (
+        "the median rank has finished no step for 29.8 s (a step took 0.50 s before)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tracehound.analysis.verdict import Basis, Verdict
@@ -30,20 +32,52 @@ def test_localized_fault_isolates_the_node_then_restarts() -> None:
                            ("restart", "attempt 1")]
 
 
-def test_unlocalized_or_unsure_verdict_restarts_without_evicting() -> None:
+def test_unsure_verdict_on_a_running_job_is_watched_then_restarts_without_evicting() -> None:
+    settings = PolicySettings(watch_s=600.0)
     for v in (verdict(basis=Basis.UNLOCALIZED), verdict(confidence=0.4)):
-        plan = plan_recovery(v, restarts_done=0, healthy_spares=1, settings=PolicySettings())
-        assert kinds(plan) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+        plan = plan_recovery(v, restarts_done=0, healthy_spares=1, settings=settings)
+        assert kinds(plan) == [("observe", "node-1")]
+        assert plan[0].reason.startswith("not sure enough to evict")
+        later = plan_recovery(v, restarts_done=0, healthy_spares=1, settings=settings,
+                              watched_s=600.0)
+        assert kinds(later) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+        assert "nobody evicted" in later[1].reason
 
 
-def test_gives_up_when_restarts_or_spares_run_out() -> None:
+def test_too_few_spares_never_gives_up_on_a_running_job() -> None:
+    two = verdict(nodes=("node-0", "node-1"))
+    plan = plan_recovery(two, restarts_done=0, healthy_spares=1, settings=PolicySettings())
+    assert kinds(plan) == [("observe", "node-0, node-1")]
+    assert plan[0].reason.startswith("2 node(s) to isolate but only 1 spare(s) left: watching")
+    later = plan_recovery(two, restarts_done=0, healthy_spares=1, settings=PolicySettings(),
+                          watched_s=601.0)
+    assert kinds(later) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+
+
+def test_a_crash_with_too_few_spares_restarts_at_once_without_evicting() -> None:
+    crash = replace(verdict(nodes=("node-0", "node-1")), kind=IncidentKind.CRASH,
+                    basis=Basis.EXIT_STATUS)
+    plan = plan_recovery(crash, restarts_done=0, healthy_spares=1, settings=PolicySettings())
+    assert kinds(plan) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+    assert "only 1 spare(s) left; nobody evicted" in plan[1].reason
+
+
+def test_gives_up_only_when_restarts_run_out() -> None:
     plan = plan_recovery(verdict(attempt=3), restarts_done=3, healthy_spares=1,
                          settings=PolicySettings(max_restarts=3))
     assert [a.kind for a in plan] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
-    plan = plan_recovery(verdict(nodes=("node-0", "node-1")), restarts_done=0,
-                         healthy_spares=1, settings=PolicySettings())
-    assert [a.kind for a in plan] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
-    assert "only 1 spare" in plan[1].reason
+
+
+def test_a_stall_is_only_observed_and_a_busy_timeout_restarts_without_evicting() -> None:
+    stall = replace(verdict(), kind=IncidentKind.STALL)
+    for watched in (0.0, 10_000.0):
+        plan = plan_recovery(stall, restarts_done=0, healthy_spares=1, settings=PolicySettings(),
+                             watched_s=watched)
+        assert kinds(plan) == [("observe", "node-1")]
+    busy = replace(verdict(), basis=Basis.BUSY_TIMEOUT, confidence=0.8)
+    plan = plan_recovery(busy, restarts_done=0, healthy_spares=0, settings=PolicySettings())
+    assert kinds(plan) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+    assert plan[1].reason.startswith("the rank was alive and busy")
 
 
 def test_a_spare_takes_the_isolated_nodes_place_and_others_keep_theirs() -> None:

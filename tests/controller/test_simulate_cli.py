@@ -29,7 +29,11 @@ def test_simulated_fault_is_diagnosed_from_the_store(
     diag = cli("diagnose", "--job", "sim", "--store", store, "--json")
     assert diag.returncode == 0, diag.stderr
     verdict = json.loads(diag.stdout)
-    assert verdict["kind"] == fault
+    if truth["variant"] == "compute_stuck":
+        # Stuck in computation while reporting: busy, a stall until the busy grace has passed.
+        assert verdict["kind"] == "stall"
+    else:
+        assert verdict["kind"] == fault
     assert verdict["culprit_ranks"][0] in truth["culprit_ranks"]
     assert verdict["culprit_nodes"][0] in truth["culprit_nodes"]
     assert verdict["evidence"]

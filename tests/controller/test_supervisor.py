@@ -11,6 +11,7 @@ from pathlib import Path
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.snapshot import snapshot_from_json
 from tracehound.controller.orchestrator import AttemptPlan
+from tracehound.controller.policy import PolicySettings
 from tracehound.controller.supervisor import JobSpec, PollView, Supervisor, SupervisorSettings
 from tracehound.tracing.events import (
     ActionKind,
@@ -143,23 +144,28 @@ def test_hang_is_recorded_isolated_and_restarted_on_the_spare(
     assert [e.rank for e in store.exits(JOB, 1)] == [0, 1, 2, 3]
 
 
-def test_crash_without_spares_gives_up_and_says_why(store: TraceStore) -> None:
+def test_crash_without_spares_restarts_in_place_and_gives_up_only_when_restarts_run_out(
+    store: TraceStore,
+) -> None:
     clock = Clock()
     orch = ScriptedOrchestrator()
 
     def world(view: PollView) -> None:
-        if not orch.exits and not store.exits(JOB, 0):
-            orch.exits = [RankExit(job=JOB, attempt=0, node=NodeId("node-0"), rank=Rank(1),
-                                   pid=1001, exit_code=-9, time_us=clock.now)]
+        if not orch.exits and not store.exits(JOB, view.attempt):
+            orch.exits = [RankExit(job=JOB, attempt=view.attempt, node=NodeId("node-0"),
+                                   rank=Rank(1), pid=1001, exit_code=-9, time_us=clock.now)]
 
     sup = Supervisor(
         spec=JobSpec(job=JOB, command=("python", "t.py"), nnodes=1, nproc_per_node=2),
         store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
+        settings=SupervisorSettings(policy=PolicySettings(max_restarts=1)),
     )
     result = sup.run()
     assert result.completed is False
-    assert result.attempts == 1
-    assert "only 0 spare" in result.reason
-    (incident,) = store.incidents(JOB)
-    assert incident.kind == "crash" and incident.culprit_ranks == (1,)
-    assert [a.kind for a in incident.actions] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
+    assert result.attempts == 2
+    assert "1 restarts used of 1" in result.reason
+    first, second = store.incidents(JOB)
+    assert (first.kind, first.culprit_ranks) == ("crash", (1,))
+    assert [a.kind for a in first.actions] == [ActionKind.STOP_JOB, ActionKind.RESTART]
+    assert "only 0 spare(s) left; nobody evicted" in first.actions[1].detail
+    assert [a.kind for a in second.actions] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]

@@ -1,0 +1,166 @@
+"""Frozen, stuck or busy: the ranks peers wait on, told apart on hand-built snapshots.
+
+Each case is shaped like a real one seen on gloo jobs: a rank SIGSTOPped inside a pipeline recv
+while its partner blocks in the matching send, a rank writing a checkpoint while the others wait
+in the next all-reduce, a rank whose heartbeat thread is starved by a C call holding the
+interpreter lock, and a user-code deadlock outside collectives."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from observation_builders import T0, S, beat, node_of, progress, snapshot, stack
+
+from tracehound.analysis.detect import DetectionSettings, detect_hang
+from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.observation import Observation
+from tracehound.analysis.verdict import Basis, Fact
+from tracehound.tracing.events import IncidentKind, ProcessSample
+from tracehound.tracing.ids import JobId, NodeId, Rank
+
+SETTINGS = DetectionSettings(hang_after_s=5.0, heartbeat_timeout_s=2.5, busy_grace_s=600.0)
+NOW = T0 + 100 * S
+PAIR = "0:p2p:1-3"
+
+
+def proc(rank: int, state: str, at_us: int, *, cpu_rate: float = 0.0,
+         io_rate: float = 0.0) -> ProcessSample:
+    return ProcessSample(
+        job=JobId("j"), attempt=0, node=NodeId(node_of(rank)), rank=Rank(rank), pid=1000 + rank,
+        time_us=at_us, state=state, cpu_s=10.0, cpu_rate=cpu_rate, read_bytes=0,
+        write_bytes=0, io_rate=io_rate,
+    )
+
+
+def test_the_frozen_side_of_a_p2p_pair_is_named_first_whatever_its_number() -> None:
+    # Rank 3 was SIGSTOPped inside recv #7 of the pair; rank 1 blocks in the matching send #7.
+    stop = NOW - 12 * S
+    beats = [
+        beat(1, NOW - S // 5, progress(PAIR, 7, 6, enq_us=stop, op="send")),
+        beat(3, stop + S // 10, progress(PAIR, 7, 6, enq_us=stop, op="recv")),
+    ]
+    snap = replace(snapshot(NOW, 4, beats), processes=(proc(3, "T", NOW - S // 2),))
+    verdict = detect_hang(snap, SETTINGS)
+    assert verdict is not None
+    assert verdict.kind is IncidentKind.HANG
+    assert verdict.culprit_ranks == (3,)
+    assert verdict.culprit_nodes == ("node-0",)
+    assert verdict.confidence == 0.95
+    assert "stopped (state T)" in verdict.summary
+    # Without the process sample, its silent heartbeats alone say the same.
+    alone = detect_hang(snapshot(NOW, 4, beats), SETTINGS)
+    assert alone is not None and alone.culprit_ranks == (3,)
+
+
+def test_two_roots_are_ordered_by_evidence_not_by_rank_number() -> None:
+    # Group "a" = {0, 1, 3}: 0 waits in #5; rank 1 is stuck in another op for 20 s, rank 3 is
+    # stopped. Both lag in "a"; the stopped one comes first though its number is higher.
+    beats = [
+        beat(0, NOW - S // 5, progress("a", 5, 4, enq_us=NOW - 10 * S)),
+        beat(1, NOW - S // 5, progress("a", 4, 4, enq_us=NOW - 30 * S),
+             progress("b", 9, 8, enq_us=NOW - 20 * S)),
+        beat(3, NOW - 9 * S, progress("a", 4, 4, enq_us=NOW - 30 * S)),
+    ]
+    snap = replace(snapshot(NOW, 4, beats), processes=(proc(3, "T", NOW - S),))
+    verdict = detect_hang(snap, SETTINGS)
+    assert verdict is not None
+    assert verdict.culprit_ranks == (3, 1)
+    facts = [(e.fact, e.rank) for e in verdict.evidence if e.fact in (Fact.FROZEN, Fact.SILENT,
+                                                                       Fact.STUCK)]
+    assert facts == [(Fact.FROZEN, 3), (Fact.STUCK, 1)]
+
+
+def test_a_rank_writing_a_checkpoint_is_a_stall_with_where_it_is() -> None:
+    # Rank 0 left all_reduce #40 8 s ago and writes a checkpoint; 1-3 wait in #41 for 7.5 s.
+    left = NOW - 8 * S
+    beats = [beat(0, NOW - S // 5, progress("0", 40, 40, enq_us=left))]
+    beats += [beat(r, NOW - S // 5, progress("0", 41, 40, enq_us=NOW - 7_500_000))
+              for r in (1, 2, 3)]
+    frames = stack(0, "torch/serialization.py:652 save", "zipfile.py:1200 write",
+                   at_us=NOW - 5 * S)
+    snap = replace(snapshot(NOW, 4, beats),
+                   processes=(proc(0, "D", NOW - S // 2, cpu_rate=0.4, io_rate=80e6),),
+                   stacks=(frames,))
+    verdict = detect_hang(snap, SETTINGS)
+    assert verdict is not None
+    assert verdict.kind is IncidentKind.STALL
+    assert verdict.culprit_ranks == (0,)
+    assert verdict.summary == (
+        "rank 0 on node node-0 is busy outside collectives, not hung (at train.py:50 step > "
+        "torch/serialization.py:652 save > zipfile.py:1200 write): 3 rank(s) have waited up to "
+        "7.3 s in all_reduce #41 of group 0; nothing is done unless it lasts 600 s"
+    )
+    busy = next(e for e in verdict.evidence if e.fact is Fact.BUSY)
+    assert busy.value == 8.0
+    assert "process state D, CPU 0.40 s/s, I/O 80.0 MB/s" in busy.detail
+    assert any(e.fact is Fact.STACK and e.rank == 0 for e in verdict.evidence)
+    # A diagnosis keeps the stall as it is.
+    obs = Observation(snapshot=snap, window_start_us=NOW - 10 * S, window_end_us=NOW)
+    assert diagnose_observation(obs, SETTINGS) == verdict
+    # A stack from before the rank left its collectives says nothing of where it is now.
+    old = replace(snap, stacks=(replace(frames, time_us=left - S),))
+    stale = detect_hang(old, SETTINGS)
+    assert stale is not None and "(at " not in stale.summary
+
+
+def test_a_busy_rank_past_the_grace_is_a_hang_that_does_not_implicate_the_machine() -> None:
+    # A user-code deadlock outside collectives: alive, reporting, never back.
+    beats = [beat(0, NOW - S // 5, progress("0", 40, 40, enq_us=NOW - 700 * S))]
+    beats += [beat(r, NOW - S // 5, progress("0", 41, 40, enq_us=NOW - 650 * S))
+              for r in (1, 2, 3)]
+    verdict = detect_hang(snapshot(NOW, 4, beats), SETTINGS)
+    assert verdict is not None
+    assert verdict.kind is IncidentKind.HANG
+    assert verdict.basis is Basis.BUSY_TIMEOUT
+    assert verdict.culprit_ranks == (0,)
+    assert "past the 600 s grace" in verdict.summary
+    shorter = detect_hang(snapshot(NOW, 4, beats), replace(SETTINGS, busy_grace_s=900.0))
+    assert shorter is not None and shorter.kind is IncidentKind.STALL
+
+
+def test_paused_heartbeats_of_a_running_process_are_busy_not_frozen() -> None:
+    # A C call holds the interpreter lock: rank 0's heartbeat thread cannot run for 4 s, but the
+    # node agent sees its process running with a full core after its last heartbeat.
+    last = NOW - 4 * S
+    beats = [beat(0, last, progress("0", 40, 40, enq_us=NOW - 9 * S))]
+    beats += [beat(r, NOW - S // 5, progress("0", 41, 40, enq_us=NOW - 8 * S)) for r in (1, 2, 3)]
+    running = replace(snapshot(NOW, 4, beats), processes=(proc(0, "R", NOW - S, cpu_rate=0.99),))
+    verdict = detect_hang(running, SETTINGS)
+    assert verdict is not None and verdict.kind is IncidentKind.STALL
+    assert "heartbeats paused 4.0 s ago but its process runs" in verdict.evidence[0].detail
+    # Asleep with no CPU after its last heartbeat: nothing shows life, it is frozen.
+    asleep = replace(running, processes=(proc(0, "S", NOW - S),))
+    hang = detect_hang(asleep, SETTINGS)
+    assert hang is not None and hang.kind is IncidentKind.HANG and hang.culprit_ranks == (0,)
+    # A sample from before the last heartbeat proves nothing about the time after it.
+    before = replace(running, processes=(proc(0, "R", last - S, cpu_rate=0.99),))
+    old = detect_hang(before, SETTINGS)
+    assert old is not None and old.kind is IncidentKind.HANG
+
+
+def test_a_collective_that_has_just_filled_up_is_no_hang() -> None:
+    # 1-3 waited 6 s in #41; rank 0 entered it a moment ago: it is about to complete.
+    beats = [beat(0, NOW - S // 5, progress("0", 41, 40, enq_us=NOW - S // 2))]
+    beats += [beat(r, NOW - S // 5, progress("0", 41, 40, enq_us=NOW - 6 * S)) for r in (1, 2, 3)]
+    assert detect_hang(snapshot(NOW, 4, beats), SETTINGS) is None
+    # Rank 0 and 3 have already moved on to #42: #41 completed, the waiters' newest heartbeats
+    # were sent just before it did (seen on a real job after a checkpoint write).
+    moved = [beat(r, NOW - S // 5, progress("0", 42, 41, enq_us=NOW - S // 5)) for r in (0, 3)]
+    moved += [beat(r, NOW - S, progress("0", 41, 40, enq_us=NOW - 9 * S)) for r in (1, 2)]
+    assert detect_hang(snapshot(NOW, 4, moved), SETTINGS) is None
+    # Everyone inside for the hang threshold is a hang nobody can be blamed for (yet).
+    stuck = [beat(r, NOW - S // 5, progress("0", 41, 40, enq_us=NOW - 6 * S)) for r in range(4)]
+    verdict = detect_hang(snapshot(NOW, 4, stuck), SETTINGS)
+    assert verdict is not None and verdict.basis is Basis.UNLOCALIZED
+
+
+def test_a_process_sample_of_an_earlier_process_is_ignored() -> None:
+    stop = NOW - 12 * S
+    beats = [
+        beat(1, NOW - S // 5, progress(PAIR, 7, 6, enq_us=stop, op="send")),
+        beat(3, stop, progress(PAIR, 7, 6, enq_us=stop, op="recv")),
+    ]
+    other = replace(proc(3, "R", NOW - S, cpu_rate=1.0), pid=4242)
+    verdict = detect_hang(replace(snapshot(NOW, 4, beats), processes=(other,)), SETTINGS)
+    assert verdict is not None and verdict.kind is IncidentKind.HANG
+    assert verdict.culprit_ranks == (3,)

@@ -1,0 +1,126 @@
+"""A plain torchrun DDP script (no Tracehound import) whose ranks do real work outside collectives.
+
+    --scenario checkpoint   at --at-step, local rank 0 of node 0 writes a checkpoint for 8 s
+                            (torch.save of its state, fsynced, again and again) while the others
+                            wait in the next all-reduce
+    --scenario eval         at --at-step, rank 0 runs an 8 s evaluation pass (no_grad forwards)
+    --scenario first-step   rank --rank's first step is 10 s slower (CPU work, like compilation)
+    --scenario dataload     at --at-step, rank --rank waits 6 s for its next batch
+    --scenario deadlock     at --at-step, rank --rank deadlocks on a lock of its own, in attempt 0
+                            only (a user-code bug outside collectives)
+    --scenario pipeline     two stages with send/recv of a 16 MB activation; at --at-step the
+                            last stage stops itself (SIGSTOP from a thread) inside its recv, in
+                            attempt 0 only, while the first stage blocks in the matching send
+
+Each run ends with "done" on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def busy_for(seconds: float, work: object) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        work()  # type: ignore[operator]
+
+
+def train(args: argparse.Namespace, rank: int) -> None:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(),
+                                                  nn.Linear(256, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ckpt = Path(args.workdir) / f"rank{rank}.pt"
+    for step in range(args.steps):
+        if args.scenario == "first-step" and step == 0 and rank == args.rank:
+            a = torch.randn(256, 256)
+            busy_for(10.0, lambda a=a: a @ a)
+        if args.scenario == "dataload" and step == args.at_step and rank == args.rank:
+            time.sleep(6.0)  # the loader waits on storage
+        if args.scenario == "deadlock" and step == args.at_step and rank == args.rank and (
+            attempt() == 0
+        ):
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()  # never returns
+        x = torch.randn(32, 64)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.02)
+        if step == args.at_step and rank == 0 and args.scenario == "checkpoint":
+            state = {"model": model.state_dict(), "opt": opt.state_dict(),
+                     "pad": torch.randn(2_000_000)}
+
+            def write(state: dict[str, object] = state) -> None:
+                with open(ckpt, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+            busy_for(8.0, write)
+        if step == args.at_step and rank == 0 and args.scenario == "eval":
+            with torch.no_grad():
+                batch = torch.randn(512, 64)
+                busy_for(8.0, lambda batch=batch: model.module(batch))
+
+
+def pipeline(args: argparse.Namespace, rank: int) -> None:
+    act = torch.zeros(4_000_000)
+    for step in range(args.steps):
+        if rank == 0:
+            time.sleep(0.05 if step != args.at_step else 1.0)
+            act.fill_(float(step))
+            dist.send(act, dst=1)
+            grad = torch.zeros(1)
+            dist.recv(grad, src=1)
+        else:
+            if step == args.at_step and attempt() == 0:
+                threading.Thread(target=lambda: (time.sleep(0.3),
+                                                 os.kill(os.getpid(), signal.SIGSTOP)),
+                                 daemon=True).start()
+            dist.recv(act, src=0)
+            dist.send(torch.ones(1) * act[0], dst=0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", required=True,
+                        choices=["checkpoint", "eval", "first-step", "dataload", "deadlock",
+                                 "pipeline"])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--at-step", type=int, default=30)
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--workdir", default=".")
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+    rank = dist.get_rank()
+    if args.scenario == "pipeline":
+        pipeline(args, rank)
+    else:
+        train(args, rank)
+    dist.barrier()
+    print(f"rank {rank}: done", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""Slow is not hung: real gloo jobs whose ranks spend seconds outside collectives, through
+`tracehound run`, with the incidents read back by `tracehound incidents --json`.
+
+The script (`scripts/busy_train.py`) is a plain torchrun DDP script with no Tracehound import.
+A checkpoint write, an evaluation pass, a slow first step and a data-loading stall each finish
+with no stop, isolation or restart, and a `stall` incident that names the rank and where it
+was. A rank stopped inside a pipeline recv is named first though its partner, blocked in the
+matching send, has the lower number. A user-code deadlock outside collectives becomes a hang
+once the busy grace has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "scripts" / "busy_train.py"
+
+
+def run_job(tmp_path: Path, job: str, *script_args: str, nproc: int = 2,
+            extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    store = f"chdb://{tmp_path / 'store'}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "run", "--nnodes", "2",
+         "--nproc-per-node", str(nproc), "--spare-nodes", "1", "--job-id", job, "--store",
+         store, "--workdir", str(tmp_path / "work"), "--timeout", "600", "--json", *extra,
+         str(SCRIPT), "--workdir", str(tmp_path), *script_args],
+        capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert proc.stdout, proc.stderr[-3000:]
+    outcome: dict[str, Any] = json.loads(proc.stdout)
+    listed = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "incidents", "--job", job,
+         "--store", store, "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    return outcome, json.loads(listed.stdout)
+
+
+def stack_words(incident: dict[str, Any]) -> str:
+    return " ".join(e["detail"] for e in incident["verdict"]["evidence"]
+                    if e["fact"] in ("stack", "busy"))
+
+
+def check_stall_only(outcome: dict[str, Any], incidents: list[dict[str, Any]], *, rank: int,
+                     where: str) -> None:
+    assert outcome["completed"] is True, outcome
+    assert outcome["attempts"] == 1, outcome
+    assert incidents, "the stall was not recorded"
+    assert {i["kind"] for i in incidents} == {"stall"}, incidents
+    for incident in incidents:
+        assert incident["culprit_ranks"][0] == rank
+        assert {a["kind"] for a in incident["actions"]} == {"observe"}
+    assert any(where in stack_words(i) for i in incidents), [stack_words(i) for i in incidents]
+
+
+def test_checkpoint_write_on_local_rank_0_is_a_stall(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "ckpt", "--scenario", "checkpoint")
+    check_stall_only(outcome, incidents, rank=0, where="write")
+
+
+def test_evaluation_on_rank_0_is_a_stall(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "eval", "--scenario", "eval")
+    check_stall_only(outcome, incidents, rank=0, where="busy_train.py")
+
+
+def test_a_slow_first_step_is_a_stall(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "first", "--scenario", "first-step", "--rank", "2")
+    check_stall_only(outcome, incidents, rank=2, where="busy_for")
+
+
+def test_a_data_loading_stall_is_a_stall(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "load", "--scenario", "dataload", "--rank", "3")
+    check_stall_only(outcome, incidents, rank=3, where="busy_train.py")
+
+
+def test_the_frozen_side_of_a_p2p_pair_is_named_first(tmp_path: Path) -> None:
+    outcome, incidents = run_job(tmp_path, "p2p", "--scenario", "pipeline", "--steps", "60",
+                                 "--at-step", "20", nproc=1)
+    assert outcome["completed"] is True, outcome
+    hangs = [i for i in incidents if i["kind"] == "hang"]
+    assert len(hangs) == 1, incidents
+    assert hangs[0]["culprit_ranks"][0] == 1
+    assert hangs[0]["culprit_nodes"][0] == "node-1"
+    assert [a["kind"] for a in hangs[0]["actions"]] == ["stop_job", "isolate_node", "restart"]
+    assert hangs[0]["actions"][1]["target"] == "node-1"
+
+
+def test_a_user_code_deadlock_outside_collectives_is_a_hang_after_the_busy_grace(
+    tmp_path: Path,
+) -> None:
+    outcome, incidents = run_job(tmp_path, "deadlock", "--scenario", "deadlock", "--rank", "1",
+                                 extra=("--busy-grace", "15"))
+    assert outcome["completed"] is True, outcome
+    assert outcome["attempts"] == 2, outcome
+    kinds = [i["kind"] for i in incidents]
+    assert kinds == ["stall", "hang"], incidents
+    stall, hang = incidents
+    assert stall["culprit_ranks"] == [1] and hang["culprit_ranks"] == [1]
+    assert {a["kind"] for a in stall["actions"]} == {"observe"}
+    assert hang["verdict"]["basis"] == "busy_timeout"
+    # The process was alive: its machine is not evicted.
+    assert [a["kind"] for a in hang["actions"]] == ["stop_job", "restart"]
