@@ -6,13 +6,11 @@ read back from the store by `tracehound incidents`.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from run_harness import run_and_list
 
 pytestmark = pytest.mark.slow
 
@@ -20,22 +18,10 @@ pytestmark = pytest.mark.slow
 def run_job(tmp_path: Path, job: str, *script_args: str) -> tuple[dict[str, Any], list[Any]]:
     from tracehound.controller.demo import training_script
 
-    store = f"chdb://{tmp_path / 'store'}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracehound.controller.cli", "run", "--nnodes", "2",
-         "--nproc-per-node", "2", "--spare-nodes", "1", "--job-id", job, "--store", store,
-         "--workdir", str(tmp_path / "work"), "--timeout", "600", "--json",
-         training_script(), "--checkpoint-every", "25", "--pg-timeout-s", "300", *script_args],
-        capture_output=True, text=True, timeout=900, check=False,
-    )
-    assert proc.stdout, proc.stderr[-3000:]
-    outcome: dict[str, Any] = json.loads(proc.stdout)
-    listed = subprocess.run(
-        [sys.executable, "-m", "tracehound.controller.cli", "incidents", "--job", job,
-         "--store", store, "--json"],
-        capture_output=True, text=True, timeout=120, check=True,
-    )
-    return outcome, json.loads(listed.stdout)
+    return run_and_list(tmp_path, job, [
+        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", training_script(),
+        "--checkpoint-every", "25", "--pg-timeout-s", "300", *script_args,
+    ])
 
 
 def test_hang_inside_a_rank(tmp_path: Path) -> None:

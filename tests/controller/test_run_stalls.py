@@ -11,13 +11,11 @@ once the busy grace has passed.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from run_harness import run_and_list
 
 pytestmark = pytest.mark.slow
 
@@ -26,22 +24,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "busy_train.py"
 
 def run_job(tmp_path: Path, job: str, *script_args: str, nproc: int = 2,
             extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    store = f"chdb://{tmp_path / 'store'}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracehound.controller.cli", "run", "--nnodes", "2",
-         "--nproc-per-node", str(nproc), "--spare-nodes", "1", "--job-id", job, "--store",
-         store, "--workdir", str(tmp_path / "work"), "--timeout", "600", "--json", *extra,
-         str(SCRIPT), "--workdir", str(tmp_path), *script_args],
-        capture_output=True, text=True, timeout=900, check=False,
-    )
-    assert proc.stdout, proc.stderr[-3000:]
-    outcome: dict[str, Any] = json.loads(proc.stdout)
-    listed = subprocess.run(
-        [sys.executable, "-m", "tracehound.controller.cli", "incidents", "--job", job,
-         "--store", store, "--json"],
-        capture_output=True, text=True, timeout=120, check=True,
-    )
-    return outcome, json.loads(listed.stdout)
+    return run_and_list(tmp_path, job, [
+        "--nnodes", "2", "--nproc-per-node", str(nproc), "--spare-nodes", "1", *extra,
+        str(SCRIPT), "--workdir", str(tmp_path), *script_args,
+    ])
 
 
 def stack_words(incident: dict[str, Any]) -> str:

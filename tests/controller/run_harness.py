@@ -1,0 +1,30 @@
+"""Runs `tracehound run --json` on a real job and reads its incidents back with
+`tracehound incidents --json`, as a script would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_and_list(tmp_path: Path, job: str, run_args: list[str]
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The outcome of `tracehound run ... RUN_ARGS` on a fresh chdb store under `tmp_path`,
+    and the job's incidents as `tracehound incidents --json` lists them."""
+    store = f"chdb://{tmp_path / 'store'}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "run", "--job-id", job, "--store",
+         store, "--workdir", str(tmp_path / "work"), "--timeout", "600", "--json", *run_args],
+        capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert proc.stdout, proc.stderr[-3000:]
+    outcome: dict[str, Any] = json.loads(proc.stdout)
+    listed = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "incidents", "--job", job,
+         "--store", store, "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    return outcome, json.loads(listed.stdout)
