@@ -15,7 +15,7 @@ from tracehound.tracing.events import (
     StackSample,
 )
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.store import TraceStore
+from tracehound.tracing.store import FOREVER_US, TraceStore
 from tracehound.tracing.wire import InvalidRecord, decode_records, encode
 
 
@@ -61,15 +61,17 @@ def load_snapshot(
     attempt: int,
     now_us: int,
     expected_ranks: Mapping[int, str] | None = None,
+    until_us: int = FOREVER_US,
 ) -> JobSnapshot:
-    """Read what the analysis needs from a store (five small queries, aggregated in SQL)."""
+    """Read what the analysis needs from a store (five small queries, aggregated in SQL);
+    heartbeats and exits as they were at `until_us` (default: the newest)."""
     since = now_us - int(SAMPLES_HORIZON_S * 1_000_000)
     return JobSnapshot(
         job=job,
         attempt=attempt,
         now_us=now_us,
-        heartbeats=tuple(store.latest_heartbeats(job, attempt)),
-        exits=tuple(store.exits(job, attempt)),
+        heartbeats=tuple(store.latest_heartbeats(job, attempt, until_us)),
+        exits=tuple(e for e in store.exits(job, attempt) if e.time_us <= until_us),
         groups=tuple(store.groups(job, attempt)),
         expected_ranks=dict(expected_ranks or {}),
         processes=tuple(store.latest_processes(job, attempt, since)),

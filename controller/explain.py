@@ -13,18 +13,36 @@ from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
+from tracehound.tracing.events import ActionKind
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.store import TraceStore
+from tracehound.tracing.store import FOREVER_US, TraceStore
+
+
+def _acted_at(store: TraceStore, job: JobId, attempt: int) -> int:
+    """When the controller first stopped the attempt for an incident (0: it never did)."""
+    stops = [i.detected_at_us for i in store.incidents(job) if i.attempt == attempt
+             and any(a.kind is ActionKind.STOP_JOB for a in i.actions)]
+    return min(stops, default=0)
 
 
 def _as_of_end(store: TraceStore, job: JobId, attempt: int, window_s: float) -> Observation:
-    probe = load_snapshot(store, job=job, attempt=attempt, now_us=0)
-    times = [hb.time_us for hb in probe.heartbeats] + [e.time_us for e in probe.exits]
+    # An attempt the controller stopped is replayed as the controller saw it: what the ranks
+    # sent while being stopped (a stopped rank resumed by the stop reports once more) is not
+    # part of the fault.
+    acted = _acted_at(store, job, attempt)
+    probe = load_snapshot(store, job=job, attempt=attempt, now_us=0,
+                          until_us=acted or FOREVER_US)
+    # As of the median rank's last report (or the last exit, if later): when the controller
+    # stopped the attempt, its ranks stopped reporting within a moment of each other, while a
+    # rank that froze before stays silent well before them. As of the very newest report, the
+    # first ranks the stop reached would look silent too.
+    beats = sorted(hb.time_us for hb in probe.heartbeats)
+    times = [e.time_us for e in probe.exits] + ([beats[len(beats) // 2]] if beats else [])
     members = {r for g in probe.groups for r in g.ranks}
     nodes: dict[int, str] = {int(hb.rank): str(hb.node) for hb in probe.heartbeats}
     nodes.update({int(e.rank): str(e.node) for e in probe.exits})
     expected = {r: nodes.get(r, "unknown") for r in members | set(nodes)}
-    end = max(times, default=0)
+    end = acted or max(times, default=0)
     snap = JobSnapshot(
         job=job, attempt=attempt, now_us=end, heartbeats=probe.heartbeats,
         exits=probe.exits, groups=probe.groups, expected_ranks=expected,

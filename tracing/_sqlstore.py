@@ -59,7 +59,7 @@ from tracehound.tracing.schema import (
     check_identifier,
     create_statements,
 )
-from tracehound.tracing.store import CollectiveKey, InsertReport
+from tracehound.tracing.store import FOREVER_US, CollectiveKey, InsertReport
 from tracehound.tracing.summaries import (
     CollectiveColumns,
     Disagreement,
@@ -254,7 +254,7 @@ SELECT job, attempt, node, rank, time_us, pid, step, step_us, start_step, first_
        group_ids, group_last_enqueued, group_last_completed, group_pending_op,
        group_last_enqueue_us, group_last_complete_us
 FROM {db}.heartbeats
-WHERE job = {job:String} AND attempt = {attempt:UInt32}
+WHERE job = {job:String} AND attempt = {attempt:UInt32} AND time_us <= {until_us:UInt64}
 ORDER BY rank, time_us DESC
 LIMIT 1 BY rank
 """
@@ -589,8 +589,10 @@ class SqlTraceStore(abc.ABC):
                 todo.append(row)
         return todo
 
-    def latest_heartbeats(self, job: JobId, attempt: int) -> list[Heartbeat]:
-        rows = self._query(self._sql(SQL_LATEST_HEARTBEATS), {"job": job, "attempt": attempt})
+    def latest_heartbeats(self, job: JobId, attempt: int,
+                          until_us: int = FOREVER_US) -> list[Heartbeat]:
+        rows = self._query(self._sql(SQL_LATEST_HEARTBEATS),
+                           {"job": job, "attempt": attempt, "until_us": max(until_us, 0)})
         return [_heartbeat(r) for r in rows]
 
     def exits(self, job: JobId, attempt: int) -> list[RankExit]:

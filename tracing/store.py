@@ -33,6 +33,9 @@ from tracehound.tracing.events import (
 )
 from tracehound.tracing.ids import JobId
 
+FOREVER_US = 2**63 - 1
+"""A time after every record: "no upper bound"."""
+
 if TYPE_CHECKING:  # numpy is imported by the adapters, not by the port
     from tracehound.tracing.summaries import (
         CollectiveColumns,
@@ -84,8 +87,10 @@ class TraceStore(Protocol):
         stored exactly once."""
         ...
 
-    def latest_heartbeats(self, job: JobId, attempt: int) -> list[Heartbeat]:
-        """The newest heartbeat of every rank of an attempt, ordered by rank."""
+    def latest_heartbeats(self, job: JobId, attempt: int,
+                          until_us: int = FOREVER_US) -> list[Heartbeat]:
+        """The newest heartbeat of every rank of an attempt sent at or before `until_us`,
+        ordered by rank."""
         ...
 
     def exits(self, job: JobId, attempt: int) -> list[RankExit]:

@@ -15,21 +15,27 @@ from run_harness import run_and_list
 pytestmark = pytest.mark.slow
 
 
-def run_job(tmp_path: Path, job: str, *script_args: str) -> tuple[dict[str, Any], list[Any]]:
+def run_job(tmp_path: Path, job: str, *script_args: str,
+            extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Any]]:
     from tracehound.controller.demo import training_script
 
     return run_and_list(tmp_path, job, [
-        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", training_script(),
+        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", *extra,
+        training_script(),
         "--checkpoint-every", "25", "--pg-timeout-s", "300", *script_args,
     ])
 
 
 def test_hang_inside_a_rank(tmp_path: Path) -> None:
+    # The script's hang sleeps forever outside collectives: alive and reporting, so a stall,
+    # and a hang once the busy grace (short here) has passed; its machine is not evicted.
     outcome, incidents = run_job(tmp_path, "hang", "--steps", "120", "--step-sleep-ms", "20",
-                                 "--fault", "hang", "--fault-rank", "1", "--fault-step", "40")
+                                 "--fault", "hang", "--fault-rank", "1", "--fault-step", "40",
+                                 extra=("--busy-grace", "12"))
     assert outcome["completed"] is True, outcome
     assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"]) for i in incidents] == [
-        ("hang", [1], ["node-0"])]
+        ("stall", [1], ["node-0"]), ("hang", [1], ["node-0"])]
+    assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "restart"]
 
 
 def test_crash_of_a_rank(tmp_path: Path) -> None:
