@@ -22,11 +22,15 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from tracehound.tracing.settings import (
+    DEFAULT_BUFFER_RECORDS,
+    DEFAULT_HEARTBEAT_S,
+    MIN_BUFFER_RECORDS,
+    MIN_HEARTBEAT_S,
     TRACEHOUND_AGENT_SOCKET,
     TRACEHOUND_BUFFER_RECORDS,
     TRACEHOUND_DISABLE,
@@ -92,6 +96,18 @@ PATCHES: dict[str, Callable[[], None]] = {
 """Module name -> the patch applied right after it is imported."""
 
 
+def _buffer_records(env: Mapping[str, str]) -> int:
+    """TRACEHOUND_BUFFER_RECORDS of `env`, checked (SettingError)."""
+    return env_int(TRACEHOUND_BUFFER_RECORDS, DEFAULT_BUFFER_RECORDS, env=env,
+                   minimum=MIN_BUFFER_RECORDS)
+
+
+def _heartbeat_s(env: Mapping[str, str]) -> float:
+    """TRACEHOUND_HEARTBEAT_S of `env`, checked (SettingError)."""
+    return env_float(TRACEHOUND_HEARTBEAT_S, DEFAULT_HEARTBEAT_S, env=env,
+                     minimum=MIN_HEARTBEAT_S)
+
+
 def _ensure_recorder() -> None:
     """Create the recorder on first need: a process that never imports torch never pays for it."""
     global _recorder, _transport
@@ -103,11 +119,11 @@ def _ensure_recorder() -> None:
     job, attempt, node, rank = identity_from_env(_env)
     transport = SocketTransport(
         env_str(TRACEHOUND_AGENT_SOCKET, env=_env),
-        bound=env_int(TRACEHOUND_BUFFER_RECORDS, 65536, env=_env, minimum=1),
+        bound=_buffer_records(_env),
     )
     _recorder = Recorder(
         job=job, attempt=attempt, node=node, rank=rank, sink=transport,
-        heartbeat_s=env_float(TRACEHOUND_HEARTBEAT_S, 0.5, env=_env, minimum=0.01),
+        heartbeat_s=_heartbeat_s(_env),
     )
     _transport = transport
     atexit.register(_at_exit)
@@ -223,8 +239,8 @@ def install(env: dict[str, str] | None = None) -> bool:
     if not socket_path or env_flag(TRACEHOUND_DISABLE, env=source) or _env is not None:
         return False
     # Bad values fail here, at start, with the variable's name, rather than inside an import.
-    env_int(TRACEHOUND_BUFFER_RECORDS, 65536, env=source, minimum=1)
-    env_float(TRACEHOUND_HEARTBEAT_S, 0.5, env=source, minimum=0.01)
+    _buffer_records(source)
+    _heartbeat_s(source)
     _env = source
     sys.meta_path.insert(0, PostImportFinder())
     for name in PATCHES:

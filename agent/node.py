@@ -1,21 +1,23 @@
 """The node agent: receives records from the ranks of one node and ships them to the trace store.
 
-    python -m tracehound.agent.node --job J --node N --socket PATH --spool DIR --sink URL
+    python -m tracehound.agent.node --job J --node N --socket PATH [--spool DIR] [--sink URL]
                                     [--stats-file FILE] [--stats-interval S] [--drain-s S]
                                     [--proc-interval S] [--stack-after S] [--stack-repeat S]
                                     [--py-spy PATH]
 
 Ranks connect to the unix socket at PATH and write newline-delimited JSON records
-(`tracing.wire`). Each line is decoded and validated; bad lines are counted and logged with the
-reason, never fatal. Good records go to the durable spool in DIR (`agent.spool`), and a shipper
-thread sends sealed segments to the sink: `clickhouse://...` writes straight into the ClickHouse
-server, `http://host:port` posts to the ingest endpoint of the process that owns an embedded
-store. The agent also watches the ranks' processes from outside (`agent.procwatch`): a
-`/proc` sample of each rank every --proc-interval seconds (1; 0: off), and a py-spy stack of a
-rank stuck for --stack-after seconds (2; 0: off), repeated every --stack-repeat seconds (30) while
-it stays stuck; these records go to the spool like the ranks' own. SIGTERM/SIGINT: stop
-accepting, ship what is left for at most --drain-s seconds (10), exit 0; whatever could not be
-shipped stays in DIR for the next agent started on it.
+(`tracing.wire`). Each line is decoded and validated here, once; bad lines are counted and
+logged with the reason, never fatal. Good lines are spooled as they came and shipped undecoded.
+Good records go to the durable spool in DIR (`agent.spool`; default $TRACEHOUND_SPOOL_DIR), and
+a shipper thread sends sealed segments to the sink URL (default $TRACEHOUND_SINK):
+`clickhouse://...` writes straight into the ClickHouse server, `http://host:port` posts to the
+ingest endpoint of the process that owns an embedded store. The agent also watches the ranks'
+processes from outside (`agent.procwatch`): a `/proc` sample of each rank every --proc-interval
+seconds (1; 0: off), and a py-spy stack of a rank stuck for --stack-after seconds (2; 0: off),
+repeated every --stack-repeat seconds (30) while it stays stuck; these records go to the spool
+like the ranks' own. SIGTERM/SIGINT: stop accepting, ship what is left for at most --drain-s
+seconds (10), exit 0; whatever could not be shipped stays in DIR for the next agent started on
+it.
 
 The agent must never crash on what a rank sends, and never lose a record it accepted.
 """
@@ -32,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
@@ -43,7 +45,8 @@ from tracehound.agent.spool import BatchSink, HttpSink, Shipper, Spool, StoreSin
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.events import Heartbeat, Record
-from tracehound.tracing.wire import InvalidRecord, decode, encode
+from tracehound.tracing.settings import TRACEHOUND_SINK, TRACEHOUND_SPOOL_DIR, env_str
+from tracehound.tracing.wire import InvalidRecord, decode_line, encode_line
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ def spool_writer(spool: Spool) -> Emit:
     """Appends records the agent makes itself to `spool`, in the ranks' wire form (compact JSON)."""
 
     def write(records: Sequence[Record]) -> None:
-        spool.append([json.dumps(encode(r), separators=(",", ":")).encode() for r in records])
+        spool.append([encode_line(r) for r in records])
 
     return write
 
@@ -227,8 +230,8 @@ class NodeAgent:
             if not line:
                 continue
             try:
-                record = decode(json.loads(line))
-            except (ValueError, InvalidRecord) as exc:
+                record = decode_line(line)
+            except InvalidRecord as exc:
                 self._reject(str(exc), line)
                 continue
             good.append(line)
@@ -288,15 +291,22 @@ class NodeAgent:
                 self.log_stats()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None,
+               env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The agent's options. --spool and --sink default to TRACEHOUND_SPOOL_DIR and
+    TRACEHOUND_SINK of `env` (default: the process environment); each must be given one way or
+    the other."""
     parser = argparse.ArgumentParser(
         prog="python -m tracehound.agent.node", description="Tracehound node agent"
     )
     parser.add_argument("--job", required=True)
     parser.add_argument("--node", required=True)
     parser.add_argument("--socket", required=True, help="unix socket the ranks connect to")
-    parser.add_argument("--spool", required=True, help="durable spool directory")
-    parser.add_argument("--sink", required=True, help="clickhouse://... or http://host:port")
+    parser.add_argument("--spool", default=env_str(TRACEHOUND_SPOOL_DIR, env=env),
+                        help=f"durable spool directory (default: ${TRACEHOUND_SPOOL_DIR})")
+    parser.add_argument("--sink", default=env_str(TRACEHOUND_SINK, env=env),
+                        help="clickhouse://... or http://host:port "
+                             f"(default: ${TRACEHOUND_SINK})")
     parser.add_argument("--stats-file", default=None, help="JSON stats, rewritten every second")
     parser.add_argument("--stats-interval", type=float, default=10.0, help="seconds between logs")
     parser.add_argument("--drain-s", type=float, default=10.0, help="shipping budget at stop")
@@ -310,7 +320,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="capture again every this many seconds while it stays stuck")
     parser.add_argument("--py-spy", default=None, metavar="PATH",
                         help="py-spy binary (default: on PATH, else beside this Python)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for option, variable in (("--spool", TRACEHOUND_SPOOL_DIR), ("--sink", TRACEHOUND_SINK)):
+        if not getattr(args, option[2:]):
+            parser.error(f"{option} is required unless {variable} is set")
+    return args
 
 
 def _seconds(text: str) -> float:

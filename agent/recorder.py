@@ -34,6 +34,8 @@ from tracehound.tracing.events import (
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.settings import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_JOB_ID,
     TRACEHOUND_ATTEMPT,
     TRACEHOUND_JOB_ID,
     TRACEHOUND_NODE_ID,
@@ -115,7 +117,7 @@ class Recorder:
         rank: int,
         sink: RecordSink,
         clock: Clock = now_us,
-        heartbeat_s: float = 0.5,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         pid: int | None = None,
     ) -> None:
         self.job = job
@@ -369,7 +371,8 @@ class Recorder:
 def identity_from_env(env: dict[str, str] | None = None) -> tuple[str, int, str, int]:
     """(job, attempt, node, rank) of this process from the launch environment."""
     source = dict(os.environ) if env is None else env
-    job = env_str(TRACEHOUND_JOB_ID, env=source) or source.get("TORCHELASTIC_RUN_ID") or "default"
+    job = (env_str(TRACEHOUND_JOB_ID, env=source) or source.get("TORCHELASTIC_RUN_ID")
+           or DEFAULT_JOB_ID)
     attempt = env_int(
         TRACEHOUND_ATTEMPT, env_int("TORCHELASTIC_RESTART_COUNT", 0, env=source), env=source
     )

@@ -23,9 +23,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from tracehound.analysis.common import group_members, ordered_nodes, rank_nodes
+from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, UNSURE, WEAK
 from tracehound.analysis.liveness import (
     RankLife,
     assess,
+    fresh_stack,
     last_activity_us,
     process_words,
     where_words,
@@ -33,6 +35,7 @@ from tracehound.analysis.liveness import (
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import Heartbeat, IncidentKind, RankExit
+from tracehound.tracing.settings import DEFAULT_HEARTBEAT_S
 
 _US = 1_000_000
 
@@ -45,8 +48,9 @@ class DetectionSettings:
     hang_after_s: float = 5.0
     """A rank waiting this long inside one collective means the job hangs. Training steps take
     milliseconds to seconds; raise it for jobs with longer legitimate waits."""
-    heartbeat_timeout_s: float = 2.5
-    """A rank silent for this long (heartbeats arrive every 0.5 s by default) is not reporting."""
+    heartbeat_timeout_s: float = 5 * DEFAULT_HEARTBEAT_S
+    """A rank silent for this long (five heartbeats missed at the default rate,
+    `tracing.settings.DEFAULT_HEARTBEAT_S`) is not reporting."""
     busy_grace_s: float = 600.0
     """Peers may wait this long on a rank that is alive and busy outside collectives (writing a
     checkpoint, evaluating, compiling, loading data) before it counts as a hang; until then it is
@@ -198,11 +202,11 @@ def detect_crash(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | No
         failures[len(culprits)].time_us - first.time_us if len(failures) > len(culprits) else None
     )
     if len(culprits) > 1:
-        confidence = 0.6
+        confidence = WEAK  # exits too close to order: one of them failed first
     elif gap_us is None or gap_us >= 20_000 or first.exit_code < 0:
-        confidence = 0.95
+        confidence = CERTAIN
     else:
-        confidence = 0.8
+        confidence = STRONG  # the next failure followed within 20 ms: its report may lag
     evidence = [
         Evidence(
             fact=Fact.EXIT,
@@ -318,6 +322,28 @@ def _stuck_us(hb: Heartbeat | None) -> int:
     return max((hb.time_us - g.last_enqueue_us for g in hb.groups if g.pending_op), default=0)
 
 
+def _waiting_facts(stalled: Iterable[_Wait], node_of: Callable[[int], str]) -> list[Evidence]:
+    """The ranks that have waited longest in a stalled collective (at most 8): the reach of a
+    hang or stall, after the facts about its culprits."""
+    return [
+        Evidence(
+            fact=Fact.WAITING, rank=wait.rank, node=node_of(wait.rank),
+            group=wait.group, seq=wait.seq, value=_sec(wait.waited_us),
+            detail=(
+                f"rank {wait.rank} has waited {_sec(wait.waited_us):.1f} s in "
+                f"{wait.op} #{wait.seq} of group {wait.group}"
+            ),
+        )
+        for wait in sorted(stalled, key=lambda w: (-w.waited_us, w.rank))[:8]
+    ]
+
+
+def _since_us(hb: Heartbeat | None) -> int:
+    """The rank's last activity on its own clock (0 without a heartbeat): a stack is fresh from
+    then on."""
+    return last_activity_us(hb) if hb is not None else 0
+
+
 def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | None:
     """A stall localized by control dependency (see the module docstring), judged by what the
     ranks it leads to are doing (`analysis.liveness`): frozen or stuck ranks make a hang at
@@ -350,6 +376,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     lives = assess(snap, heartbeat_timeout_s=settings.heartbeat_timeout_s,
                    ranks={r: beats.get(r) for r in expected})
     frozen = frozenset(r for r, life in lives.items() if life.frozen)
+    stuck_us = {r: _stuck_us(hb) for r, hb in beats.items()}
     silent = {r for r in frozen if r in beats}
     never_reported = {r for r in frozen if r not in beats}
 
@@ -391,7 +418,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     for r in roots:
         life = lives.get(r)
         if (r in exited or life is None or life.frozen or not acyclic
-                or _stuck_us(beats.get(r)) >= hang_us):
+                or stuck_us.get(r, 0) >= hang_us):
             hard.append(r)
         else:
             busy.append(r)
@@ -412,14 +439,13 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             Basis.HEARTBEAT_LOSS if culprits <= frozen and not lagging
             else Basis.CONTROL_DEPENDENCY
         )
-        corroborated = culprits & frozen
-        confidence = 0.95 if corroborated == culprits else 0.85
-        if basis is Basis.BUSY_TIMEOUT:
-            confidence = 0.8
+        # Frozen culprits cannot be anything but stopped; reporting ones could be slow.
+        confidence = CERTAIN if culprits <= frozen else STRONG
     elif frozen:
+        # Frozen ranks the waits-for chain does not lead to: likely, but not shown, the cause.
         culprits = set(frozen)
         basis = Basis.HEARTBEAT_LOSS
-        confidence = 0.75
+        confidence = LIKELY
     else:
         # Nobody lags and nobody is frozen: every member is inside the collective. Unless they
         # have all been there for the hang threshold, it is one that has just filled up; and a
@@ -442,7 +468,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                 return None
         culprits = set().union(*(members.get(g, frozenset()) for g in stalled_groups))
         basis = Basis.UNLOCALIZED
-        confidence = 0.3
+        confidence = UNSURE
 
     cap = settings.max_evidence
 
@@ -454,7 +480,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             return (9, 0, 0.0, r)
         if life is not None and life.frozen:
             return (0, life.strength[0], life.strength[1], r)
-        return (1, 0, -_stuck_us(beats.get(r)), r)
+        return (1, 0, -stuck_us.get(r, 0), r)
 
     ordered = sorted(culprits, key=evidence_order)
 
@@ -478,10 +504,10 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     ]
     stuck_facts = [
         Evidence(
-            fact=Fact.STUCK, rank=r, node=node_of(r), value=_sec(_stuck_us(beats.get(r))),
+            fact=Fact.STUCK, rank=r, node=node_of(r), value=_sec(stuck_us.get(r, 0)),
             detail=(
                 f"rank {r} on node {node_of(r)} has been inside one operation for "
-                f"{_sec(_stuck_us(beats.get(r))):.1f} s that does not complete"
+                f"{_sec(stuck_us.get(r, 0)):.1f} s that does not complete"
                 if basis is not Basis.BUSY_TIMEOUT else
                 f"rank {r} on node {node_of(r)} has kept its peers waiting for "
                 f"{_sec(longest.waited_us):.1f} s, longer than the busy grace of "
@@ -491,17 +517,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         )
         for r in ordered if r not in frozen and r in beats and r not in exited
     ][:cap]
-    waiting_facts = [
-        Evidence(
-            fact=Fact.WAITING, rank=wait.rank, node=node_of(wait.rank),
-            group=wait.group, seq=wait.seq, value=_sec(wait.waited_us),
-            detail=(
-                f"rank {wait.rank} has waited {_sec(wait.waited_us):.1f} s in "
-                f"{wait.op} #{wait.seq} of group {wait.group}"
-            ),
-        )
-        for wait in sorted(stalled, key=lambda w: (-w.waited_us, w.rank))[:8]
-    ]
+    waiting_facts = _waiting_facts(stalled, node_of)
     # Laggards that are not culprits are themselves blocked further down the chain: name the
     # culprits' facts one by one, and the others once per group, so the evidence of a 10,000-rank
     # hang reads as a cause and its reach, not as a list of victims.
@@ -565,7 +581,7 @@ def _busy_where(life: RankLife | None, hb: Heartbeat | None) -> str:
     proc = process_words(life.process)
     if proc:
         parts.append(f"process {proc}")
-    where = where_words(life, last_activity_us(hb) if hb is not None else 0)
+    where = where_words(life, _since_us(hb))
     if where:
         parts.append(f"at {where}")
     return "; " + "; ".join(parts) if parts else ""
@@ -598,28 +614,15 @@ def _stall(
         for r in ranks[: settings.max_evidence]
     ]
     for r in ranks[: settings.max_evidence]:
-        life = lives[r]
-        hb = beats.get(r)
-        if life.stack is not None and life.stack.frames and (
-            hb is None or life.stack.time_us >= last_activity_us(hb)
-        ):
+        stack = fresh_stack(lives[r], _since_us(beats.get(r)))
+        if stack is not None:
             evidence.append(Evidence(
-                fact=Fact.STACK, rank=r, node=node_of(r), value=_sec(life.stack.time_us),
-                detail=f"rank {r} stack, outermost first: " + " > ".join(life.stack.frames),
+                fact=Fact.STACK, rank=r, node=node_of(r), value=_sec(stack.time_us),
+                detail=f"rank {r} stack, outermost first: " + " > ".join(stack.frames),
             ))
-    evidence += [
-        Evidence(
-            fact=Fact.WAITING, rank=wait.rank, node=node_of(wait.rank), group=wait.group,
-            seq=wait.seq, value=_sec(wait.waited_us),
-            detail=(
-                f"rank {wait.rank} has waited {_sec(wait.waited_us):.1f} s in "
-                f"{wait.op} #{wait.seq} of group {wait.group}"
-            ),
-        )
-        for wait in sorted(stalled, key=lambda w: (-w.waited_us, w.rank))[:8]
-    ]
+    evidence += _waiting_facts(stalled, node_of)
     lead = ranks[0]
-    where = where_words(lives[lead], last_activity_us(beats[lead]) if lead in beats else 0)
+    where = where_words(lives[lead], _since_us(beats.get(lead)))
     who = ", ".join(f"rank {r} on node {node_of(r)}" for r in ranks[:4])
     more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
     summary = (
@@ -632,17 +635,7 @@ def _stall(
     nodes = {r: node_of(r) for r in ranks}
     return Verdict(
         job=snap.job, attempt=snap.attempt, kind=IncidentKind.STALL, culprit_ranks=ranks,
-        culprit_nodes=ordered_nodes(ranks, nodes), confidence=0.9,
+        culprit_nodes=ordered_nodes(ranks, nodes), confidence=STRONG,
         basis=Basis.CONTROL_DEPENDENCY, summary=summary, evidence=tuple(evidence),
         observed_at_us=snap.now_us, group=longest.group,
     )
-
-
-def diagnose(snap: JobSnapshot, settings: DetectionSettings | None = None) -> Verdict | None:
-    """The verdict for a snapshot, or None while nothing is wrong. Crashes are checked first: a
-    dead rank also stalls its peers, and its exit is the stronger evidence. (With window
-    summaries, stacks and health samples, `analysis.diagnose.diagnose_observation` judges more
-    fault kinds.)"""
-    settings = settings or DetectionSettings()
-    return detect_crash(snap, settings) or detect_hang(snap, settings)
-

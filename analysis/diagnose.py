@@ -18,7 +18,8 @@ evidence is:
   within it) gives a hardware verdict only with a health event on that node, and only when no
   other detector fired: a straggler or a slow link makes the nodes of its pipeline late too.
 - The machine-level outlier model corroborates a straggler or slow link on the node it flags
-  (a little more confidence and its evidence), and stands alone only when nothing else fired.
+  (one notch more confidence, `analysis.confidence.STEP`, and its evidence), and stands alone
+  only when nothing else fired.
 
 Pure: no I/O, no clock; `Observation.snapshot.now_us` is the analysis' notion of now.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tracehound.analysis.confidence import nudged
 from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang
 from tracehound.analysis.hardware import (
     correlate_hardware,
@@ -38,6 +40,7 @@ from tracehound.analysis.links import detect_slow_link
 from tracehound.analysis.mismatch import detect_mismatch
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.outliers import detect_node_outliers
+from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.stacks import detect_silent_hang
 from tracehound.analysis.straggler import detect_straggler
 from tracehound.analysis.verdict import Basis, Verdict
@@ -55,14 +58,19 @@ def _corroborate(verdict: Verdict, outliers: Verdict | None) -> Verdict:
         return verdict
     extra = tuple(e for e in outliers.evidence if e.node in shared)
     return replace(
-        verdict, confidence=round(min(0.97, verdict.confidence + 0.05), 3),
+        verdict, confidence=nudged(verdict.confidence),
         evidence=verdict.evidence + extra,
     )
 
 
-def diagnose_observation(obs: Observation,
+def diagnose_observation(obs: Observation | JobSnapshot,
                          settings: DetectionSettings | None = None) -> Verdict | None:
-    """The best verdict for the observation, or None while nothing is wrong."""
+    """The best verdict for the observation, or None while nothing is wrong. This is the one
+    entry point of the analysis: the supervisor, `tracehound diagnose`, the benchmarks and the
+    recorded (golden) traces all go through it. A bare snapshot is an observation without window
+    summaries, stacks or health samples (`Observation.of`)."""
+    if isinstance(obs, JobSnapshot):
+        obs = Observation.of(obs)
     settings = settings or DetectionSettings()
     snap = obs.snapshot
     crash = detect_crash(snap, settings)

@@ -49,6 +49,7 @@ from tracehound.analysis.common import (
     rank_nodes,
     who,
 )
+from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, WEAK
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
@@ -112,9 +113,10 @@ def correlate_hardware(verdict: Verdict, obs: Observation,
     nodes_of_culprits = {r: known.get(r, "unknown") for r in verdict.culprit_ranks}
     ranks = tuple(r for n in hit for r in verdict.culprit_ranks if nodes_of_culprits.get(r) == n)
     critical = events[hit[0]][0].severity is HealthSeverity.CRITICAL
-    confidence = max(verdict.confidence, 0.9 if critical else 0.8)
+    confidence = max(verdict.confidence, CERTAIN if critical else STRONG)
     if verdict.basis is Basis.UNLOCALIZED:
-        confidence = 0.6 if critical else 0.5  # the event localizes the stall, nothing else does
+        # The event localizes the stall, nothing else does.
+        confidence = LIKELY if critical else WEAK
     health: list[Evidence] = []
     for n in hit:
         rank = next((r for r in ranks if nodes_of_culprits.get(r) == n), -1)
@@ -228,7 +230,7 @@ def detect_slow_node(obs: Observation, settings: DetectionSettings) -> Verdict |
     ]
     return Verdict(
         job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.HARDWARE,
-        culprit_ranks=ranks, culprit_nodes=(node,), confidence=0.8 if critical else 0.7,
+        culprit_ranks=ranks, culprit_nodes=(node,), confidence=STRONG if critical else LIKELY,
         basis=Basis.HEALTH_CORRELATION,
         summary=f"{_event_words(events[node][0], obs)} coincides with a slow node: {late_words}",
         evidence=tuple(evidence[: settings.max_evidence]), observed_at_us=obs.snapshot.now_us,

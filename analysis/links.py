@@ -14,7 +14,7 @@ when such slow links reach at least two different peers of a node and make up
 Where two nodes qualify alike (all links of one pipeline boundary run between them), the links
 cannot tell the sides apart; the node's other traffic can: a slow NIC also slows the node's
 inter-node collectives (its data-parallel all-reduces), and with them every collective of its
-groups. Both nodes are named with confidence 0.5, the one whose collectives take longer first,
+groups. Both nodes are named with WEAK confidence, the one whose collectives take longer first,
 measured per rank as wait + lateness (mean time inside a collective plus mean arrival after its
 first member): that is the time from a collective's first arrival to its completion, the same
 for every member whatever its own arrival, so it measures the collectives, not the rank's place
@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tracehound.analysis.common import ms, rank_nodes
+from tracehound.analysis.confidence import LIKELY, STRONG, WEAK
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
@@ -189,7 +190,7 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
                 )
         return Verdict(
             job=job, attempt=attempt, kind=IncidentKind.SLOW_LINK, culprit_ranks=tuple(ranks),
-            culprit_nodes=(node, *others), confidence=0.5 if others else 0.85,
+            culprit_nodes=(node, *others), confidence=WEAK if others else STRONG,
             basis=Basis.LINK_LATENCY, summary=summary, evidence=evidence_of(np.asarray(mine_idx)),
             observed_at_us=now,
             culprit_link=(int(links.src[worst]), int(links.dst[worst])),
@@ -210,7 +211,8 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
         ends.reverse()
     culprit_ranks = tuple(r for r, _ in ends)
     culprit_nodes = tuple(dict.fromkeys(n for _, n in ends))
-    confidence = 0.9 if ratio[worst] >= 2.0 else 0.8
+    # Twice as slow as comparable links is surely slow; from 1.5x to 2x, load may explain some.
+    confidence = STRONG if ratio[worst] >= 2.0 else LIKELY
     also = f"; {slow_idx.size - 1} other link(s) are slow too" if slow_idx.size > 1 else ""
     return Verdict(
         job=job, attempt=attempt, kind=IncidentKind.SLOW_LINK, culprit_ranks=culprit_ranks,

@@ -126,10 +126,18 @@ def last_activity_us(hb: Heartbeat) -> int:
     return max((max(g.last_enqueue_us, g.last_complete_us) for g in hb.groups), default=0)
 
 
+def fresh_stack(life: RankLife, since_us: int) -> StackSample | None:
+    """The rank's newest stack if it has frames and was captured at or after `since_us` (its
+    last activity), else None: a stack older than that shows where the rank was before, not
+    where it is now."""
+    stack = life.stack
+    if stack is None or not stack.frames or stack.time_us < since_us:
+        return None
+    return stack
+
+
 def where_words(life: RankLife, since_us: int) -> str:
     """Where a busy rank is, from a stack captured since `since_us`: its innermost frames,
     innermost last. "" when no such stack was captured."""
-    stack = life.stack
-    if stack is None or not stack.frames or stack.time_us < since_us:
-        return ""
-    return " > ".join(stack.frames[-3:])
+    stack = fresh_stack(life, since_us)
+    return "" if stack is None else " > ".join(stack.frames[-3:])

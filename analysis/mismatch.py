@@ -20,9 +20,9 @@ at the same sequence id that agree among themselves (`Disagreement.peer_*`, the 
 run by other data-parallel groups). If at least MIN_SIBLING_VOTES of them ran one of the tied
 calls, the members that ran something else are the culprits. When the group has a majority,
 the vote within the group stands, and siblings that ran what the majority ran only add
-confidence. Without either, the members are all named, with confidence 0.5, unless one of them
+confidence. Without either, the members are all named, with WEAK confidence, unless one of them
 also stands out in another group, or left the group (it is no longer pending in it while the
-other waits there: it issued fewer collectives), which puts it first with 0.7.
+other waits there: it issued fewer collectives), which puts it first as LIKELY.
 Send/recv ops (point-to-point) are never compared.
 
 Pure: no I/O, no clock.
@@ -42,6 +42,7 @@ from tracehound.analysis.common import (
     rank_nodes,
     who,
 )
+from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, WEAK, raised
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
@@ -232,6 +233,24 @@ def _what_words(f: _Finding) -> str:
     }[f.what]
 
 
+def _vote_confidence(lead: _Finding, minority: float) -> float:
+    """How sure a decided vote is: one member against the rest is certain, a small minority
+    (under a third) strong, a larger one likely; a tie broken by sibling groups is strong for
+    one member, likely for more; sibling groups that ran what the majority ran raise a vote
+    within the group one level. A sequence shift is at most strong: an extra collective on one
+    rank can look like a missing one on the others."""
+    single = len(lead.culprits) == 1
+    if lead.by_siblings:
+        confidence = STRONG if single else LIKELY
+    else:
+        confidence = CERTAIN if single else STRONG if minority < 0.34 else LIKELY
+        if lead.siblings >= MIN_SIBLING_VOTES:
+            confidence = raised(confidence)
+    if lead.what == "sequence":
+        confidence = min(confidence, STRONG)
+    return confidence
+
+
 def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | None:
     """The ranks that differ from their group's majority (see the module docstring)."""
     exempt = settings.mismatch_size_exempt_ops
@@ -257,13 +276,7 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
         lead = min(decided, key=lambda f: (-max(votes[r] for r in f.culprits), f.by_siblings,
                                            f.source, f.group, f.seq))
         minority = len(lead.culprits) / max(lead.members, 1)
-        confidence = 0.95 if len(lead.culprits) == 1 else 0.9 if minority < 0.34 else 0.75
-        if lead.by_siblings:
-            confidence = 0.85 if len(lead.culprits) == 1 else 0.7
-        elif lead.siblings >= MIN_SIBLING_VOTES:
-            confidence = max(confidence, 0.9)
-        if lead.what == "sequence":
-            confidence = min(confidence, 0.85)
+        confidence = _vote_confidence(lead, minority)
     else:
         lead = findings[0]
         # No majority: a member that left the group (it is no longer pending in it while the
@@ -273,7 +286,7 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
             votes[r] += 1
         culprits = sorted({r for f in findings for r in f.culprits}, key=lambda r: (-votes[r], r))
         top = votes[culprits[0]]
-        confidence = 0.7 if sum(1 for r in culprits if votes[r] == top) == 1 else 0.5
+        confidence = LIKELY if sum(1 for r in culprits if votes[r] == top) == 1 else WEAK
     cap = settings.max_evidence
     evidence: list[Evidence] = []
     for f in sorted(findings, key=lambda f: (f is not lead, f.tie, f.group, f.seq)):

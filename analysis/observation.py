@@ -33,6 +33,13 @@ class Observation:
     node_windows: NodeWindows | None = None
     """Per-node features over consecutive windows ending at window_end_us."""
 
+    @classmethod
+    def of(cls, snapshot: JobSnapshot) -> Observation:
+        """An observation of a snapshot alone (no window summaries, stacks or health): enough
+        for crashes, hangs and stalls."""
+        return cls(snapshot=snapshot, window_start_us=snapshot.now_us,
+                   window_end_us=snapshot.now_us)
+
 
 def load_observation(
     store: TraceStore,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tracehound.analysis.common import ms, node_ranks, pct, rank_nodes
+from tracehound.analysis.confidence import LIKELY, WEAK
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
@@ -133,7 +134,8 @@ def detect_node_outliers(obs: Observation, settings: DetectionSettings) -> Verdi
         for o in found[: settings.max_evidence]
     )
     more = f"; {len(found) - 1} more node(s) flagged" if len(found) > 1 else ""
-    confidence = 0.6 if len(found) == 1 else 0.45
+    # Several nodes flagged at once are candidates, not a culprit: more likely a job-wide effect.
+    confidence = LIKELY if len(found) == 1 else WEAK
     return Verdict(
         job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.NODE_OUTLIER,
         culprit_ranks=ranks, culprit_nodes=tuple(o.node for o in found), confidence=confidence,

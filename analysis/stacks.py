@@ -33,6 +33,7 @@ from tracehound.analysis.common import (
     rank_nodes,
     who,
 )
+from tracehound.analysis.confidence import LIKELY, STRONG, UNSURE, between
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.snapshot import JobSnapshot
@@ -129,7 +130,8 @@ def detect_silent_hang(obs: Observation, settings: DetectionSettings, *,
     group = ""
     if sure:
         culprits = outliers
-        confidence = round(0.5 + 0.3 * dominant_share, 3)
+        # The larger the cluster the outliers differ from, the surer the vote.
+        confidence = between(LIKELY, STRONG, dominant_share)
     else:
         members = group_members(snap)
         first = outliers[0]
@@ -140,7 +142,7 @@ def detect_silent_hang(obs: Observation, settings: DetectionSettings, *,
             culprits = [first, *rest]
         else:
             culprits = outliers
-        confidence = 0.35
+        confidence = UNSURE
 
     def frame(sig: tuple[str, ...]) -> str:
         return sig[-1] if sig else "?"

@@ -40,6 +40,7 @@ from tracehound.analysis.common import (
     rank_nodes,
     who,
 )
+from tracehound.analysis.confidence import CERTAIN, LIKELY, WEAK, between
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
@@ -133,9 +134,10 @@ def detect_straggler(obs: Observation, settings: DetectionSettings) -> Verdict |
     culprits = tuple(int(stats.rank[i]) for i in culprit_idx)
     lead = culprit_idx[0]
     strength = (fraction[lead] - p0) / max(1.0 - p0, 1e-9)
-    confidence = round(float(np.clip(0.6 + 0.35 * strength, 0.6, 0.95)), 3)
+    # Past every threshold a straggler is likely; one last at every collective is certain.
+    confidence = between(LIKELY, CERTAIN, float(strength))
     if len(culprits) > max(8, 0.02 * int(judged.sum())):
-        confidence = min(confidence, 0.5)  # many late ranks: something broader than one rank
+        confidence = min(confidence, WEAK)  # many late ranks: something broader than one rank
 
     def words(i: int) -> str:
         rank = int(stats.rank[i])

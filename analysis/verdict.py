@@ -86,7 +86,8 @@ class Verdict:
     culprit_nodes: tuple[str, ...]
     """Nodes of the culprit ranks; culprit_ranks[0] and culprit_nodes[0] are the most likely."""
     confidence: float
-    """0..1: how sure the analysis is that the culprits are right."""
+    """0..1: how sure the analysis is that the culprits are right, on the scale of
+    `analysis.confidence` (CERTAIN, STRONG, LIKELY, WEAK, UNSURE)."""
     basis: Basis
     summary: str
     evidence: tuple[Evidence, ...]

@@ -1,6 +1,6 @@
 """Diagnosis benchmark: how often the analysis names the right fault and the right rank.
 
-Runs seeded simulated scenarios (`tracehound.analysis.simulate`) of every fault class and healthy
+Runs seeded simulated scenarios (`tracehound.analysis.sim`) of every fault class and healthy
 runs, 64 to 4,096 ranks, through `diagnose_observation` and scores the verdicts:
 
 - top1: fraction of a class's scenarios whose verdict names a true culprit first (for a slow
@@ -8,7 +8,11 @@ runs, 64 to 4,096 ranks, through `diagnose_observation` and scores the verdicts:
 - recall: fraction of a class's scenarios with a verdict of that kind and a right top-1;
 - precision: among all verdicts of that kind over all scenarios, the fraction that were right
   (right kind and right top-1); null when no verdict of that kind was given;
-- healthy_fp_rate: fraction of healthy runs with any verdict.
+- healthy_fp_rate: fraction of healthy runs with any verdict;
+- by_level: per level of the confidence scale (`tracehound.analysis.confidence`; a verdict
+  counts at the highest level its confidence reaches), how many verdicts were given and the
+  share whose first culprit was a true one (right_kind: and of the right kind), over every
+  scenario, healthy runs included: the measurement behind the levels' documented meaning.
 
 A hang whose culprit is stuck in computation while it keeps reporting (variant compute_stuck)
 looks exactly like a rank busy with a checkpoint or an evaluation: the analysis gives a `stall`
@@ -52,11 +56,12 @@ from typing import Any
 
 import numpy as np
 
+from tracehound.analysis.confidence import LEVELS, level_of
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation, load_observation
-from tracehound.analysis.simulate import FAULT_KINDS, SimulatedJob, simulate, write_to_store
+from tracehound.analysis.sim import FAULT_KINDS, SimulatedJob, simulate, write_to_store
+from tracehound.analysis.sim import reference as summaries
 from tracehound.analysis.verdict import Verdict
-from tracehound.tracing import summaries
 from tracehound.tracing.store import open_store
 
 CLASSES = tuple(k.value for k in FAULT_KINDS)
@@ -79,6 +84,7 @@ class Outcome:
     named: int | None
     truth: tuple[int, ...]
     seconds: float
+    confidence: float | None = None
 
 
 def say(msg: str) -> None:
@@ -118,6 +124,7 @@ def run_one(cls: str, seed: int, ranks: int) -> Outcome:
         top1_right=right(sim, verdict),
         named=verdict.culprit_ranks[0] if verdict and verdict.culprit_ranks else None,
         truth=sim.truth.culprit_ranks[:3], seconds=time.perf_counter() - started,
+        confidence=verdict.confidence if verdict else None,
     )
 
 
@@ -144,6 +151,22 @@ def score(outcomes: list[Outcome]) -> dict[str, Any]:
 
 def _ratio(num: int, den: int) -> float | None:
     return round(num / den, 3) if den else None
+
+
+def by_level(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
+    """Per confidence level: verdicts given, how many named a true culprit first (and of the
+    right kind), and that share (the level's measured precision; null without verdicts)."""
+    out: dict[str, dict[str, Any]] = {}
+    for level in LEVELS:
+        mine = [o for o in outcomes
+                if o.confidence is not None and level_of(o.confidence) == level]
+        right = sum(o.top1_right for o in mine)
+        out[level.name] = {
+            "floor": level.floor, "verdicts": len(mine), "right": right,
+            "right_kind": sum(o.top1_right and o.verdict_kind == o.cls for o in mine),
+            "precision": _ratio(right, len(mine)),
+        }
+    return out
 
 
 def confusion(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
@@ -317,6 +340,7 @@ def main() -> int:
     result["analysis_s"] = {} if args.no_timing else analysis_seconds(TIMED_RANKS)
     result["confusion"] = confusion(outcomes)
     result["by_variant"] = by_variant(outcomes)
+    result["by_level"] = by_level(outcomes)
     result["scenarios"] = len(outcomes)
     result["quick"] = args.quick
     if args.store:
@@ -345,6 +369,11 @@ def table(result: dict[str, Any]) -> str:
                      f"{fmt(m['recall']):>6}")
     lines.append(f"healthy false-positive rate: {fmt(result['healthy_fp_rate'])} "
                  f"(n={result['healthy_n']})")
+    lines.append("precision by confidence level (first culprit right):")
+    lines.append(f"  {'level':8} {'floor':>5} {'verdicts':>8} {'right':>6} {'prec':>6}")
+    for name, m in result["by_level"].items():
+        lines.append(f"  {name:8} {m['floor']:5.2f} {m['verdicts']:8d} {m['right']:6d} "
+                     f"{fmt(m['precision']):>6}")
     for n, s in result["analysis_s"].items():
         lines.append(f"diagnose_observation at {n} ranks: {s:.3f} s")
     if "store" in result:

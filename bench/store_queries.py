@@ -4,14 +4,14 @@ Builds one window of collective rows that looks like a simulated data+tensor par
 (8 ranks per node, a tensor-parallel group per node, data-parallel groups across nodes, pipeline
 send/recv pairs between neighbouring nodes, one slow rank, one dtype mismatch), writes it with
 `insert_columns`, and times every summary query against the numpy reference in
-`tracehound.tracing.summaries`, checking that both give the same numbers.
+`tracehound.analysis.sim.reference`, checking that both give the same numbers.
 
     .venv/bin/python bench/store_queries.py                       # chdb in a temp dir
     .venv/bin/python bench/store_queries.py --server clickhouse://default:@127.0.0.1:9000/bench
     .venv/bin/python bench/store_queries.py --json                # machine-readable figures
 
 It prints figures and never fails on time (benchmarks do not gate anything). It does not use the
-simulator (`tracehound.analysis.simulate`): the window is generated here with numpy.
+simulator (`tracehound.analysis.sim`): the window is generated here with numpy.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tracehound.tracing import summaries
+from tracehound.analysis.sim import reference as summaries
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore, open_store
 from tracehound.tracing.summaries import CollectiveColumns
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             chdb_store.close()
     if args.server:
-        from tracehound.tracing.clickhouse_server import ClickHouseServerStore
+        from tracehound.tracing.store.server import ClickHouseServerStore
 
         server = ClickHouseServerStore(args.server, send_receive_timeout=120.0)
         try:

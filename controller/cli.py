@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tracehound.controller import tracefiles
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.ids import JobId
@@ -123,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="extra nodes that replace isolated ones (default: 0)")
     run.add_argument("--job-id", default="job", help="job id every record is tagged with")
     run.add_argument("--workdir", type=Path, default=Path(".tracehound/runs"),
-                     help="checkpoints, spools and logs go under WORKDIR/JOB "
+                     help="checkpoints, spools, logs and the journal of records on their way "
+                          "to the store go under WORKDIR/JOB "
                           "(default: .tracehound/runs)")
     run.add_argument("--max-restarts", type=int, default=3, help="default: 3")
     _detection_args(run)
@@ -166,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--job-id", help="job id (default: sim-<fault>-<ranks>-<seed>)")
     sim.add_argument("--json", action="store_true", help="print what was written as JSON")
     _store_arg(sim)
+    tracefiles.add_parsers(sub, _store_arg)
     return parser
 
 
@@ -192,6 +195,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from tracehound.controller.journal import JOURNAL_FILE
     from tracehound.controller.local import LocalOrchestrator
     from tracehound.controller.session import store_session
     from tracehound.controller.supervisor import JobSpec, Supervisor
@@ -214,7 +218,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     with store_session(args.store) as session:
         orch = LocalOrchestrator(workdir=workdir, sink=session.sink)
         result = Supervisor(spec=spec, store=session.store, orchestrator=orch,
-                            settings=settings, evidence_dir=workdir / "incidents").run()
+                            settings=settings, evidence_dir=workdir / "incidents",
+                            journal_path=workdir / JOURNAL_FILE).run()
     if args.json:
         _print_json({
             "job": result.job, "completed": result.completed, "attempts": result.attempts,
@@ -303,7 +308,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from tracehound.analysis.simulate import FAULT_KINDS, simulate, write_to_store
+    from tracehound.analysis.sim import FAULT_KINDS, simulate, write_to_store
     from tracehound.controller.session import resolve_store_url
     from tracehound.tracing.store import open_store
 
@@ -355,7 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
     handlers = {"demo": cmd_demo, "run": cmd_run, "incidents": cmd_incidents,
-                "diagnose": cmd_diagnose, "simulate": cmd_simulate}
+                "diagnose": cmd_diagnose, "simulate": cmd_simulate,
+                "export": tracefiles.cmd_export, "load": tracefiles.cmd_load}
     try:
         return handlers[args.command](args)
     except StoreError as exc:

@@ -7,29 +7,34 @@ so a stored job gives the same verdict whenever it is diagnosed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
-from tracehound.tracing.events import ActionKind
+from tracehound.tracing.events import ActionKind, Incident
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import FOREVER_US, TraceStore
 
 
-def _acted_at(store: TraceStore, job: JobId, attempt: int) -> int:
-    """When the controller first stopped the attempt for an incident (0: it never did)."""
-    stops = [i.detected_at_us for i in store.incidents(job) if i.attempt == attempt
+def _acted_at(incidents: Sequence[Incident], attempt: int) -> int:
+    """When the controller first stopped the attempt for one of the job's `incidents` (0: it
+    never did)."""
+    stops = [i.detected_at_us for i in incidents if i.attempt == attempt
              and any(a.kind is ActionKind.STOP_JOB for a in i.actions)]
     return min(stops, default=0)
 
 
-def _as_of_end(store: TraceStore, job: JobId, attempt: int, window_s: float) -> Observation:
+def _as_of_end(store: TraceStore, job: JobId, attempt: int, window_s: float,
+               incidents: Sequence[Incident]) -> Observation:
+    """The attempt's observation as of the end of its data, or as of when the controller
+    stopped it for one of the job's `incidents` (read once by the caller for all attempts)."""
     # An attempt the controller stopped is replayed as the controller saw it: what the ranks
     # sent while being stopped (a stopped rank resumed by the stop reports once more) is not
     # part of the fault.
-    acted = _acted_at(store, job, attempt)
+    acted = _acted_at(incidents, attempt)
     probe = load_snapshot(store, job=job, attempt=attempt, now_us=0,
                           until_us=acted or FOREVER_US)
     # As of the median rank's last report (or the last exit, if later): when the controller
@@ -67,9 +72,10 @@ def diagnose_stored(
     # Stored data is complete: no exit is still in flight, so nothing needs to settle.
     settings = dataclasses.replace(settings or DetectionSettings(), crash_settle_s=0.0)
     candidates = [attempt] if attempt is not None else sorted(attempts, reverse=True)
-    latest = _as_of_end(store, job, candidates[0], window_s)
+    incidents = store.incidents(job)
+    latest = _as_of_end(store, job, candidates[0], window_s, incidents)
     for a in candidates:
-        obs = latest if a == candidates[0] else _as_of_end(store, job, a, window_s)
+        obs = latest if a == candidates[0] else _as_of_end(store, job, a, window_s, incidents)
         verdict = diagnose_observation(obs, settings)
         if verdict is not None:
             return {**verdict.to_dict(), "ranks_seen": len(obs.snapshot.heartbeats)}

@@ -68,7 +68,7 @@ class LocalOrchestrator:
         *,
         workdir: Path,
         sink: str,
-        heartbeat_s: float = 0.5,
+        heartbeat_s: float = env.DEFAULT_HEARTBEAT_S,
         checkpoint_dir: Path | None = None,
         agent_env: Mapping[str, str] | None = None,
     ) -> None:

@@ -11,9 +11,9 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tracehound.tracing.ingest import IngestServer
 from tracehound.tracing.settings import TRACEHOUND_STORE, env_str
 from tracehound.tracing.store import TraceStore, default_store_url, is_embedded, open_store
+from tracehound.tracing.store.ingest import IngestServer
 
 
 @dataclass(frozen=True, slots=True)

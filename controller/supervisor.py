@@ -11,7 +11,6 @@ Time and sleep are injected, so the loop can be driven step by step in tests.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -19,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
@@ -278,7 +279,7 @@ class Supervisor:
             actions.append(action)
             self._store_retrying(functools.partial(self.store.record_action, action),
                                  what=f"action {step.kind.value} of {incident_id}")
-        self._incidents.append(dataclasses.replace(incident, actions=tuple(actions)))
+        self._incidents.append(msgspec.structs.replace(incident, actions=tuple(actions)))
         return gave_up
 
     def _keep_evidence(self, incident_id: str) -> None:

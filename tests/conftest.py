@@ -70,7 +70,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     server_url: str = request.getfixturevalue("clickhouse_url")
     url = _with_database(server_url, f"tracehound_t{uuid.uuid4().hex[:12]}")
     yield url
-    from tracehound.tracing.clickhouse_server import ClickHouseServerStore
+    from tracehound.tracing.store.server import ClickHouseServerStore
 
     cleanup = ClickHouseServerStore(url)
     try:

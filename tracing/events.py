@@ -1,26 +1,66 @@
 """The records Tracehound keeps: what ranks did, how far they got, how they ended, what was done.
 
-Records are frozen dataclasses built with keyword arguments only. Times are integer microseconds
-since the Unix epoch (UTC), so they survive every store and wire format unchanged. This module
-validates nothing: `tracing.wire` turns untrusted payloads into these records and says what was
-wrong with the ones it rejects.
+Each record kind is declared here once, as a frozen msgspec struct built with keyword arguments
+only; `tracing.kinds` derives its wire form, validation, table and rows from the declaration.
+Times are integer microseconds since the Unix epoch (UTC), so they survive every store and wire
+format unchanged. Building a record validates nothing (but that floats are finite): `tracing.wire`
+turns untrusted payloads into records and says what was wrong with the ones it rejects.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
+
+import msgspec
 
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
+from tracehound.tracing.kinds import (
+    BOUNDED,
+    F64,
+    I32,
+    I64,
+    MAX_U64,
+    NON_EMPTY,
+    NOT_STORED,
+    U32,
+    U64,
+    Name,
+    RecordBase,
+    Stored,
+    Text,
+    column,
+    integer,
+    record_kind,
+)
 
 SCHEMA_VERSION = 1
 """Bumped whenever a record or a table changes shape."""
+
+JobName = Annotated[JobId, NON_EMPTY]
+NodeName = Annotated[NodeId, NON_EMPTY]
+GroupName = Annotated[GroupId, NON_EMPTY, column("group_id")]
+RankNo = Annotated[Rank, integer("UInt32", ge=0, le=2**31 - 1)]
 
 
 def now_us() -> int:
     """The wall clock in microseconds, the unit of every timestamp here."""
     return time.time_ns() // 1000
+
+
+class RankRecord(RecordBase, frozen=True):
+    """What one rank of one attempt of a job reported (or what was seen of it): the fields every
+    such kind starts with, in this order."""
+
+    job: JobName
+    attempt: U32
+    node: NodeName
+    rank: RankNo
+
+
+BY_RANK_IN_TIME = ("job", "attempt", "rank", "time_us")
+"""The sort order (and batch key) of the kinds read back per rank, newest first."""
 
 
 class CollectiveState(enum.StrEnum):
@@ -30,91 +70,102 @@ class CollectiveState(enum.StrEnum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CollectiveEvent:
+@record_kind
+class CollectiveEvent(RankRecord, frozen=True, tag="collective"):
     """One rank's part in one collective or point-to-point operation."""
 
-    job: JobId
-    attempt: int
-    node: NodeId
-    rank: Rank
-    group: GroupId
-    seq: int
+    TABLE: ClassVar[Stored] = Stored(
+        "collectives", time="enqueue_us",
+        # Replacing: a safety net that folds a row stored twice into one at merge time; queries
+        # that must count every stored row read without FINAL.
+        engine="ReplacingMergeTree",
+        order_by=("job", "attempt", "group_id", "seq", "rank"),
+        key=("job", "attempt", "group_id", "seq", "rank"),
+    )
+
+    group: GroupName
+    seq: Annotated[int, integer("UInt64", ge=1, le=MAX_U64)]
     """Per-group sequence id, 1 for the first operation the group ran; the same on every member."""
-    op: str
+    op: Name
     """`all_reduce`, `broadcast`, `barrier`, `send`, `recv`, ... (torch's function name)."""
-    nbytes: int
-    dtype: str
-    peer: int
+    nbytes: U64
+    dtype: Text
+    peer: Annotated[int, integer("Int32", ge=-1, le=2**31 - 1)]
     """Global rank of the other side of a send/recv; -1 for collectives."""
     state: CollectiveState
-    enqueue_us: int
-    complete_us: int
+    enqueue_us: U64
+    complete_us: U64
     """When the operation finished (or failed) on this rank; 0 if it never did."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GroupProgress:
-    """How far one rank got in one process group, at the time of a heartbeat."""
+class GroupProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """How far one rank got in one process group, at the time of a heartbeat (kept in the
+    heartbeat's row as one array column per field: `group_ids`, `group_last_enqueued`, ...)."""
 
-    group: GroupId
-    last_enqueued: int
+    group: Annotated[GroupId, NON_EMPTY, column("ids")]
+    last_enqueued: U64
     """Highest sequence id this rank has entered in the group (0: none yet)."""
-    last_completed: int
+    last_completed: U64
     """Highest sequence id this rank has seen complete in the group."""
-    pending_op: str
+    pending_op: Text
     """Op of `last_enqueued` while it has not completed, "" otherwise."""
-    last_enqueue_us: int
-    last_complete_us: int
+    last_enqueue_us: U64
+    last_complete_us: U64
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Heartbeat:
+@record_kind
+class Heartbeat(RankRecord, frozen=True, tag="heartbeat"):
     """A rank's periodic report of progress; it keeps coming while the main thread waits."""
 
-    job: JobId
-    attempt: int
-    node: NodeId
-    rank: Rank
-    time_us: int
-    pid: int
-    step: int
+    TABLE: ClassVar[Stored] = Stored(
+        "heartbeats", time="time_us", order_by=BY_RANK_IN_TIME, key=BY_RANK_IN_TIME,
+    )
+
+    time_us: U64
+    pid: U32
+    step: U64
     """Training step the rank has reached (optimizer steps plus the step it resumed from)."""
-    step_us: int
+    step_us: U64
     """When `step` was reached; 0 before the first step."""
-    start_step: int
+    start_step: U64
     """The step this process resumed from (0 for a fresh start)."""
-    first_step_us: int
+    first_step_us: U64
     """When this process finished its first step; 0 before that."""
-    dropped: int
+    dropped: U64
     """Events the recorder in this process has dropped so far (full buffer, encoding failure)."""
-    groups: tuple[GroupProgress, ...] = ()
+    groups: Annotated[tuple[GroupProgress, ...], column("group")] = ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProcessGroupInfo:
+@record_kind
+class ProcessGroupInfo(RecordBase, frozen=True, tag="group"):
     """A process group as one rank created it: its id and the global ranks in it."""
 
-    job: JobId
-    attempt: int
-    rank: Rank
-    group: GroupId
-    ranks: tuple[int, ...]
-    backend: str
-    time_us: int
+    TABLE: ClassVar[Stored] = Stored(
+        "process_groups", time="time_us", order_by=("job", "attempt", "group_id", "rank"),
+        key=("job", "attempt", "group_id", "rank", "time_us"),
+    )
+
+    job: JobName
+    attempt: U32
+    rank: RankNo
+    group: GroupName
+    ranks: tuple[U32, ...]
+    backend: Text
+    time_us: U64
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankExit:
+@record_kind
+class RankExit(RankRecord, frozen=True, tag="exit"):
     """A rank's process ended. `exit_code` < 0 means it was killed by signal -exit_code."""
 
-    job: JobId
-    attempt: int
-    node: NodeId
-    rank: Rank
-    pid: int
-    exit_code: int
-    time_us: int
+    TABLE: ClassVar[Stored] = Stored(
+        "rank_exits", time="time_us", order_by=BY_RANK_IN_TIME,
+        key=("job", "attempt", "rank", "pid", "time_us"),
+    )
+
+    pid: U32
+    exit_code: I32
+    time_us: U64
 
 
 class IncidentKind(enum.StrEnum):
@@ -151,64 +202,72 @@ class HealthSeverity(enum.StrEnum):
     CRITICAL = "critical"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HealthSample:
+@record_kind
+class HealthSample(RecordBase, frozen=True, tag="health"):
     """A device or host health reading or event (NVML, the host, or a simulator)."""
 
-    job: JobId
+    TABLE: ClassVar[Stored] = Stored(
+        "health", time="time_us",
+        # Read by node and time, whatever the job (a node-wide reading has job "").
+        order_by=("node", "time_us", "device", "metric"),
+        key=("job", "node", "device", "time_us", "source", "metric"),
+    )
+
+    job: Annotated[JobId, BOUNDED]
     """The job running on the node at the time ("" when the reading is node-wide)."""
-    node: NodeId
-    device: str
+    node: NodeName
+    device: Name
     """`gpu0`, `nic1`, `host`, ..."""
-    time_us: int
-    source: str
+    time_us: U64
+    source: Name
     """`nvml`, `host`, `simulated`, ..."""
-    metric: str
+    metric: Name
     """`xid`, `ecc_uncorrectable`, `remapped_rows`, `temperature_c`, `sm_clock_mhz`, `power_w`,
     `nvlink_errors`, `pcie_replays`, `nic_errors`, `throttle`, ..."""
-    value: float
+    value: F64
     severity: HealthSeverity
-    detail: str = ""
+    detail: Text = ""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StackSample:
+@record_kind
+class StackSample(RankRecord, frozen=True, tag="stack"):
     """One rank's Python stack at one moment, outermost frame first (`file:line function`)."""
 
-    job: JobId
-    attempt: int
-    node: NodeId
-    rank: Rank
-    time_us: int
-    frames: tuple[str, ...]
+    TABLE: ClassVar[Stored] = Stored(
+        "stacks", time="time_us", order_by=BY_RANK_IN_TIME, key=BY_RANK_IN_TIME,
+    )
+
+    time_us: U64
+    frames: tuple[Text, ...]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProcessSample:
+@record_kind
+class ProcessSample(RankRecord, frozen=True, tag="process"):
     """What the node agent sees of one rank's process from outside (`/proc`): whether it runs,
     sleeps, is stopped or gone, and how much CPU and I/O it used lately. It tells a rank that is
     busy (writing a checkpoint, evaluating, loading data) from one that is frozen, even when the
     rank's own heartbeats cannot get out."""
 
-    job: JobId
-    attempt: int
-    node: NodeId
-    rank: Rank
-    pid: int
-    time_us: int
-    state: str
+    TABLE: ClassVar[Stored] = Stored(
+        "processes", time="time_us", order_by=BY_RANK_IN_TIME,
+        key=("job", "attempt", "rank", "pid", "time_us"),
+    )
+
+    pid: U32
+    time_us: U64
+    state: Name
     """The kernel's state letter (`R` running, `S` sleeping, `D` disk wait, `T` stopped, `t`
     traced, `Z` zombie, `X` dead), or `gone` when the process no longer exists."""
-    cpu_s: float
+    cpu_s: F64
     """User plus system CPU seconds the process has used so far."""
-    cpu_rate: float
+    cpu_rate: F64
     """CPU seconds per second over the last sampling interval (0 when idle; above 1 with
     several busy threads)."""
-    read_bytes: int
+    read_bytes: U64
     """Bytes the process has read from storage so far (0 where `/proc/PID/io` is unreadable)."""
-    write_bytes: int
+    write_bytes: U64
     """Bytes the process has written to storage so far."""
-    io_rate: float
+    io_rate: F64
     """Bytes per second read plus written over the last sampling interval."""
 
 
@@ -236,38 +295,47 @@ class ActionKind(enum.StrEnum):
     """A soft fault was recorded; the controller acts if it is seen again."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Action:
+@record_kind
+class Action(RecordBase, frozen=True, tag="action"):
     """One step the controller took (or failed to take) for an incident."""
 
-    job: JobId
-    incident_id: str
+    TABLE: ClassVar[Stored] = Stored(
+        "actions", time="time_us", order_by=("job", "incident_id", "time_us"), batch=False,
+    )
+
+    job: JobName
+    incident_id: Name
     kind: ActionKind
-    target: str
+    target: Text
     """What it acted on: a node id, an attempt number."""
-    time_us: int
+    time_us: U64
     ok: bool
-    detail: str = ""
+    detail: Text = ""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Incident:
+@record_kind
+class Incident(RecordBase, frozen=True, tag="incident"):
     """A diagnosed anomaly of one attempt of a job, with the verdict that explains it."""
 
-    job: JobId
-    incident_id: str
-    attempt: int
-    detected_at_us: int
-    kind: str
+    TABLE: ClassVar[Stored] = Stored(
+        "incidents", time="detected_at_us", order_by=("job", "detected_at_us", "incident_id"),
+        batch=False,
+    )
+
+    job: JobName
+    incident_id: Name
+    attempt: U32
+    detected_at_us: U64
+    kind: Name
     """An `IncidentKind` value (kept as text so that newer kinds read back from old code)."""
-    culprit_ranks: tuple[int, ...]
-    culprit_nodes: tuple[str, ...]
-    confidence: float
+    culprit_ranks: tuple[I64, ...]
+    culprit_nodes: tuple[Text, ...]
+    confidence: F64
     summary: str
     verdict_json: str
     """The full verdict, evidence included, as the analysis serialized it."""
-    schema_version: int = SCHEMA_VERSION
-    actions: tuple[Action, ...] = field(default=())
+    schema_version: U32 = SCHEMA_VERSION
+    actions: Annotated[tuple[Action, ...], NOT_STORED] = ()
     """Filled in when read back from a store; ignored when recorded."""
 
 
@@ -278,10 +346,9 @@ Record = (
 """What a batch carries from the ranks to the store."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Batch:
+class Batch(msgspec.Struct, frozen=True, kw_only=True):
     """Records shipped together. `batch_id` is unique per batch and stable across retries, so a
     store can tell a retried batch it already holds from a new one."""
 
-    batch_id: str
+    batch_id: Annotated[str, NON_EMPTY]
     records: tuple[Record, ...]

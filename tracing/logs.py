@@ -11,7 +11,7 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
-from tracehound.tracing.settings import TRACEHOUND_LOG_LEVEL
+from tracehound.tracing.settings import DEFAULT_LOG_LEVEL, TRACEHOUND_LOG_LEVEL
 
 
 class JobLogger(logging.LoggerAdapter[logging.Logger]):
@@ -35,7 +35,7 @@ class JobLogger(logging.LoggerAdapter[logging.Logger]):
 
 def configure(level: str | None = None) -> None:
     """Plain timestamped logging to stderr at TRACEHOUND_LOG_LEVEL (default INFO)."""
-    name = (level or os.environ.get(TRACEHOUND_LOG_LEVEL) or "INFO").upper()
+    name = (level or os.environ.get(TRACEHOUND_LOG_LEVEL) or DEFAULT_LOG_LEVEL).upper()
     logging.basicConfig(
         level=getattr(logging, name, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -3,6 +3,10 @@
 The controller sets most of these for the processes it launches; a user sets them to run the
 recorder or the node agent by hand. Bad values raise SettingError naming the variable and the
 accepted form.
+
+A variable's default (and the smallest value it accepts, where there is one) is the DEFAULT_* (or
+MIN_*) constant next to it: code that reads the variable, or passes the same setting on as an
+argument, uses that constant rather than repeating the value.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ import os
 from collections.abc import Mapping
 
 TRACEHOUND_JOB_ID = "TRACEHOUND_JOB_ID"
-"""Job every record is tagged with. Default: the torchrun run id, else "default"."""
+"""Job every record is tagged with. Default: the torchrun run id, else DEFAULT_JOB_ID."""
+
+DEFAULT_JOB_ID = "default"
+"""The job of a process that neither Tracehound nor torchrun named."""
 
 TRACEHOUND_ATTEMPT = "TRACEHOUND_ATTEMPT"
 """Attempt number of this launch (0 first; +1 per restart). Default: TORCHELASTIC_RESTART_COUNT."""
@@ -27,11 +34,24 @@ TRACEHOUND_DISABLE = "TRACEHOUND_DISABLE"
 """Set to 1 to keep the recorder out of a training process altogether."""
 
 TRACEHOUND_HEARTBEAT_S = "TRACEHOUND_HEARTBEAT_S"
-"""Seconds between a rank's heartbeats (default 0.5)."""
+"""Seconds between a rank's heartbeats (default DEFAULT_HEARTBEAT_S, at least MIN_HEARTBEAT_S)."""
+
+DEFAULT_HEARTBEAT_S = 0.5
+"""A heartbeat shows that a rank is alive and how far it got; the analysis calls a rank silent
+after several missed ones (`DetectionSettings.heartbeat_timeout_s`)."""
+
+MIN_HEARTBEAT_S = 0.01
+"""Keeps a mistyped value from flooding the node agent with heartbeats."""
 
 TRACEHOUND_BUFFER_RECORDS = "TRACEHOUND_BUFFER_RECORDS"
 """Records a rank buffers for its node agent before it drops (and counts) new ones (default
-65536)."""
+DEFAULT_BUFFER_RECORDS, at least MIN_BUFFER_RECORDS)."""
+
+DEFAULT_BUFFER_RECORDS = 65536
+"""Bounds the memory a rank spends on records its node agent has not taken yet."""
+
+MIN_BUFFER_RECORDS = 1
+"""A buffer must hold at least the record being sent."""
 
 TRACEHOUND_STORE = "TRACEHOUND_STORE"
 """Trace store URL: clickhouse://user:pass@host:9000/db or chdb:///dir (default
@@ -39,16 +59,20 @@ chdb://./.tracehound/store)."""
 
 TRACEHOUND_SINK = "TRACEHOUND_SINK"
 """Where a node agent ships batches: a clickhouse:// store URL, or the http:// ingest endpoint of
-the process that owns an embedded store."""
+the process that owns an embedded store. The node agent's --sink, when that is not given."""
 
 TRACEHOUND_SPOOL_DIR = "TRACEHOUND_SPOOL_DIR"
-"""Directory where a node agent keeps records until the store has them."""
+"""Directory where a node agent keeps records until the store has them. The node agent's
+--spool, when that is not given."""
 
 TRACEHOUND_CHECKPOINT_DIR = "TRACEHOUND_CHECKPOINT_DIR"
 """Directory of the job's checkpoints, shared by all attempts (set by `tracehound run`)."""
 
 TRACEHOUND_LOG_LEVEL = "TRACEHOUND_LOG_LEVEL"
-"""Log level of Tracehound's own loggers (default INFO)."""
+"""Log level of Tracehound's own loggers (default DEFAULT_LOG_LEVEL)."""
+
+DEFAULT_LOG_LEVEL = "INFO"
+"""Informational messages and above; DEBUG adds detail meant for developing Tracehound."""
 
 
 class SettingError(ValueError):
@@ -58,13 +82,15 @@ class SettingError(ValueError):
 def env_float(
     name: str, default: float, *, env: Mapping[str, str] | None = None, minimum: float = 0.0
 ) -> float:
+    """The number in variable `name` of `env` (default: the process environment), `default`
+    when it is unset or empty; SettingError when it is no number or below `minimum`."""
     raw = (os.environ if env is None else env).get(name, "")
     if not raw:
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise SettingError(f"{name}={raw!r}: expected a number of seconds, e.g. 0.5") from None
+        raise SettingError(f"{name}={raw!r}: expected a number, e.g. {default}") from None
     if value < minimum:
         raise SettingError(f"{name}={raw!r}: expected a number >= {minimum}")
     return value
@@ -73,23 +99,29 @@ def env_float(
 def env_int(
     name: str, default: int, *, env: Mapping[str, str] | None = None, minimum: int = 0
 ) -> int:
+    """The whole number in variable `name` of `env` (default: the process environment),
+    `default` when it is unset or empty; SettingError when it is none or below `minimum`."""
     raw = (os.environ if env is None else env).get(name, "")
     if not raw:
         return default
     try:
         value = int(raw)
     except ValueError:
-        raise SettingError(f"{name}={raw!r}: expected a whole number, e.g. 65536") from None
+        raise SettingError(f"{name}={raw!r}: expected a whole number, e.g. {default}") from None
     if value < minimum:
         raise SettingError(f"{name}={raw!r}: expected a whole number >= {minimum}")
     return value
 
 
 def env_str(name: str, default: str = "", *, env: Mapping[str, str] | None = None) -> str:
+    """The text of variable `name` of `env` (default: the process environment), `default` when
+    it is unset or empty."""
     return (os.environ if env is None else env).get(name, "") or default
 
 
 def env_flag(name: str, *, env: Mapping[str, str] | None = None) -> bool:
+    """Whether variable `name` of `env` (default: the process environment) is set to 1 (or true,
+    yes, on); False when unset; SettingError for anything else."""
     raw = (os.environ if env is None else env).get(name, "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return False

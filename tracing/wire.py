@@ -1,160 +1,31 @@
 """The JSON wire form of records, and the one place untrusted payloads become records.
 
-Ranks send records to their node agent and node agents send batches to an ingest endpoint in this
-form. Decoding checks every field; a bad record is rejected with a message that names the field
-and what was expected, and the good records of the same batch are kept.
+Ranks send records to their node agent, one JSON object per line, and node agents send batches
+(`{"batch_id": ..., "records": [...]}`) to an ingest endpoint or a store. A record's wire form is
+its declaration in `tracing.events` (field names as declared, `type` the kind's tag), encoded and
+decoded by msgspec, which validates every field while it parses. A bad record is rejected with a
+message that names the field and what was expected, and the good records of the same batch are
+kept.
+
+Decoding accepts the kinds that travel in batches (what ranks and node agents send); the trace
+file format (`tracing.traceformat`) also reads incidents and actions through `decode(...,
+batch_only=False)`.
 """
 
 from __future__ import annotations
 
-import enum
 import json
-import math
+import re
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, TypeVar
+from typing import Any
 
-from tracehound.tracing.events import (
-    Batch,
-    CollectiveEvent,
-    CollectiveState,
-    GroupProgress,
-    HealthSample,
-    HealthSeverity,
-    Heartbeat,
-    ProcessGroupInfo,
-    ProcessSample,
-    RankExit,
-    Record,
-    StackSample,
-)
-from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
+import msgspec
+from msgspec import inspect as mi
 
-RecordType = Literal["collective", "heartbeat", "group", "exit", "health", "stack", "process"]
-RECORD_TYPES: tuple[RecordType, ...] = (
-    "collective", "heartbeat", "group", "exit", "health", "stack", "process",
-)
-"""Every `type` a record may have on the wire."""
-
-_MAX_U64 = 2**64 - 1
-_MAX_I32 = 2**31 - 1
-
-_E = TypeVar("_E", bound=enum.StrEnum)
-
-
-class GroupProgressWire(TypedDict):
-    group: str
-    last_enqueued: int
-    last_completed: int
-    pending_op: str
-    last_enqueue_us: int
-    last_complete_us: int
-
-
-class CollectiveWire(TypedDict):
-    type: Literal["collective"]
-    job: str
-    attempt: int
-    node: str
-    rank: int
-    group: str
-    seq: int
-    op: str
-    nbytes: int
-    dtype: str
-    peer: int
-    state: str
-    enqueue_us: int
-    complete_us: int
-
-
-class HeartbeatWire(TypedDict):
-    type: Literal["heartbeat"]
-    job: str
-    attempt: int
-    node: str
-    rank: int
-    time_us: int
-    pid: int
-    step: int
-    step_us: int
-    start_step: int
-    first_step_us: int
-    dropped: int
-    groups: list[GroupProgressWire]
-
-
-class GroupWire(TypedDict):
-    type: Literal["group"]
-    job: str
-    attempt: int
-    rank: int
-    group: str
-    ranks: list[int]
-    backend: str
-    time_us: int
-
-
-class ExitWire(TypedDict):
-    type: Literal["exit"]
-    job: str
-    attempt: int
-    node: str
-    rank: int
-    pid: int
-    exit_code: int
-    time_us: int
-
-
-class HealthWire(TypedDict):
-    type: Literal["health"]
-    job: str
-    """May be empty: a node-wide reading."""
-    node: str
-    device: str
-    time_us: int
-    source: str
-    metric: str
-    value: float
-    """A finite number (JSON integers are accepted)."""
-    severity: str
-    detail: str
-
-
-class StackWire(TypedDict):
-    type: Literal["stack"]
-    job: str
-    attempt: int
-    node: str
-    rank: int
-    time_us: int
-    frames: list[str]
-
-
-class ProcessWire(TypedDict):
-    type: Literal["process"]
-    job: str
-    attempt: int
-    node: str
-    rank: int
-    pid: int
-    time_us: int
-    state: str
-    cpu_s: float
-    cpu_rate: float
-    read_bytes: int
-    write_bytes: int
-    io_rate: float
-
-
-RecordWire = (
-    CollectiveWire | HeartbeatWire | GroupWire | ExitWire | HealthWire | StackWire | ProcessWire
-)
-
-
-class BatchWire(TypedDict):
-    batch_id: str
-    records: list[RecordWire]
+from tracehound.tracing import kinds
+from tracehound.tracing.events import Batch, Record
 
 
 class InvalidRecord(ValueError):
@@ -175,228 +46,102 @@ class DecodedBatch:
     rejected: tuple[Rejection, ...]
 
 
-def encode(record: Record) -> RecordWire:
-    """The wire form of a record."""
-    match record:
-        case CollectiveEvent():
-            return CollectiveWire(
-                type="collective", job=record.job, attempt=record.attempt, node=record.node,
-                rank=record.rank, group=record.group, seq=record.seq, op=record.op,
-                nbytes=record.nbytes, dtype=record.dtype, peer=record.peer,
-                state=record.state.value, enqueue_us=record.enqueue_us,
-                complete_us=record.complete_us,
-            )
-        case Heartbeat():
-            return HeartbeatWire(
-                type="heartbeat", job=record.job, attempt=record.attempt, node=record.node,
-                rank=record.rank, time_us=record.time_us, pid=record.pid, step=record.step,
-                step_us=record.step_us, start_step=record.start_step,
-                first_step_us=record.first_step_us, dropped=record.dropped,
-                groups=[
-                    GroupProgressWire(
-                        group=g.group, last_enqueued=g.last_enqueued,
-                        last_completed=g.last_completed, pending_op=g.pending_op,
-                        last_enqueue_us=g.last_enqueue_us, last_complete_us=g.last_complete_us,
-                    )
-                    for g in record.groups
-                ],
-            )
-        case ProcessGroupInfo():
-            return GroupWire(
-                type="group", job=record.job, attempt=record.attempt, rank=record.rank,
-                group=record.group, ranks=list(record.ranks), backend=record.backend,
-                time_us=record.time_us,
-            )
-        case RankExit():
-            return ExitWire(
-                type="exit", job=record.job, attempt=record.attempt, node=record.node,
-                rank=record.rank, pid=record.pid, exit_code=record.exit_code,
-                time_us=record.time_us,
-            )
-        case HealthSample():
-            return HealthWire(
-                type="health", job=record.job, node=record.node, device=record.device,
-                time_us=record.time_us, source=record.source, metric=record.metric,
-                value=float(record.value), severity=record.severity.value, detail=record.detail,
-            )
-        case StackSample():
-            return StackWire(
-                type="stack", job=record.job, attempt=record.attempt, node=record.node,
-                rank=record.rank, time_us=record.time_us, frames=list(record.frames),
-            )
-        case ProcessSample():
-            return ProcessWire(
-                type="process", job=record.job, attempt=record.attempt, node=record.node,
-                rank=record.rank, pid=record.pid, time_us=record.time_us, state=record.state,
-                cpu_s=float(record.cpu_s), cpu_rate=float(record.cpu_rate),
-                read_bytes=record.read_bytes, write_bytes=record.write_bytes,
-                io_rate=float(record.io_rate),
-            )
+def record_types(*, batch_only: bool = True) -> tuple[str, ...]:
+    """Every `type` a record may have on the wire (of batch kinds, or of every kind)."""
+    return tuple(x.tag for x in kinds.layouts(batch=True if batch_only else None))
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(record: kinds.RecordBase) -> dict[str, Any]:
+    """The wire form of a record as plain Python values (what `json.dumps` would take)."""
+    out: dict[str, Any] = msgspec.json.decode(_encoder.encode(record))
+    return out
+
+
+def encode_line(record: kinds.RecordBase) -> bytes:
+    """A record as compact JSON bytes (no newline)."""
+    return _encoder.encode(record)
 
 
 def encode_batch(batch: Batch) -> bytes:
     """A batch as compact JSON bytes."""
-    payload = BatchWire(batch_id=batch.batch_id, records=[encode(r) for r in batch.records])
-    return json.dumps(payload, separators=(",", ":")).encode()
+    return _encoder.encode(batch)
 
 
-def _field(raw: Mapping[str, Any], name: str) -> Any:
-    if name not in raw:
-        raise InvalidRecord(f"missing field {name!r}")
-    return raw[name]
+def batch_of_lines(batch_id: str, lines: Sequence[bytes]) -> bytes:
+    """A batch's JSON built from records that are already JSON (spool lines), without decoding
+    them: the receiver validates each record once."""
+    return b"".join((
+        b'{"batch_id":', _encoder.encode(batch_id), b',"records":[', b",".join(lines), b"]}",
+    ))
 
 
-def _int(raw: Mapping[str, Any], name: str, lo: int = 0, hi: int = _MAX_U64) -> int:
-    value = _field(raw, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRecord(f"field {name!r} must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise InvalidRecord(f"field {name!r} must be between {lo} and {hi}, got {value}")
-    return value
+# --- decoding ------------------------------------------------------------------------------
 
 
-def _str(raw: Mapping[str, Any], name: str, *, allow_empty: bool = False) -> str:
-    value = _field(raw, name)
-    if not isinstance(value, str):
-        raise InvalidRecord(f"field {name!r} must be a string, got {type(value).__name__}")
-    if not value and not allow_empty:
-        raise InvalidRecord(f"field {name!r} must not be empty")
-    if len(value) > 4096:
-        raise InvalidRecord(f"field {name!r} must be at most 4096 characters")
-    return value
+class _Envelope(msgspec.Struct):
+    batch_id: str
+    records: list[msgspec.Raw]
 
 
-def _float(raw: Mapping[str, Any], name: str) -> float:
-    value = _field(raw, name)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRecord(f"field {name!r} must be a number, got {type(value).__name__}")
+_decoders: dict[tuple[int, bool], tuple[Any, Any, Any]] = {}
+
+
+def _codecs(batch_only: bool) -> tuple[Any, Any, Any]:
+    """(record union type, record decoder, batch decoder) for the kinds registered now."""
+    key = (kinds.generation(), batch_only)
+    found = _decoders.get(key)
+    if found is None:
+        classes = tuple(x.kind for x in kinds.layouts(batch=True if batch_only else None))
+        union: Any = typing.Union[classes] if len(classes) > 1 else classes[0]  # noqa: UP007
+        batch_type = msgspec.defstruct(
+            "WireBatch", [("batch_id", str), ("records", list[union])], frozen=True,
+        )
+        found = (union, msgspec.json.Decoder(union), msgspec.json.Decoder(batch_type))
+        _decoders.clear()
+        _decoders[key] = found
+    return found
+
+
+def decode(raw: Any, *, batch_only: bool = True) -> Any:
+    """A record from its wire form as plain Python values (a parsed JSON object); raises
+    InvalidRecord saying what is wrong."""
+    union, _, _ = _codecs(batch_only)
     try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise InvalidRecord(f"field {name!r} must be a finite number, got {value!r}")
-    return number
+        return msgspec.convert(raw, union)
+    except msgspec.ValidationError as exc:
+        raise InvalidRecord(_reason(str(exc), raw, batch_only)) from None
 
 
-def _choice(raw: Mapping[str, Any], name: str, kind: type[_E]) -> _E:
-    text = _str(raw, name)
+def decode_line(data: bytes | str, *, batch_only: bool = True) -> Any:
+    """A record from one line of JSON; raises InvalidRecord saying what is wrong."""
+    _, decoder, _ = _codecs(batch_only)
     try:
-        return kind(text)
-    except ValueError:
-        accepted = ", ".join(e.value for e in kind)
-        raise InvalidRecord(f"field {name!r} must be one of {accepted}, got {text!r}") from None
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise InvalidRecord(_reason(str(exc), _parsed(data), batch_only)) from None
+    except msgspec.DecodeError:
+        # Not JSON to msgspec; Python's parser also takes NaN and Infinity, which a record then
+        # refuses by name.
+        return decode(_parsed(data, strict=True), batch_only=batch_only)
 
 
-def _frames(raw: Mapping[str, Any]) -> tuple[str, ...]:
-    frames = _field(raw, "frames")
-    if not isinstance(frames, list):
-        raise InvalidRecord("field 'frames' must be a list of strings")
-    out = []
-    for index, frame in enumerate(frames):
-        if not isinstance(frame, str):
-            raise InvalidRecord(
-                f"field 'frames' must be a list of strings: frames[{index}] is "
-                f"{type(frame).__name__}"
-            )
-        if len(frame) > 4096:
-            raise InvalidRecord(f"field 'frames': frames[{index}] is over 4096 characters")
-        out.append(frame)
-    return tuple(out)
-
-
-def _progress(raw: Any, index: int) -> GroupProgress:
-    if not isinstance(raw, Mapping):
-        raise InvalidRecord(f"groups[{index}] must be an object")
+def _parsed(data: bytes | str, *, strict: bool = False) -> Any:
     try:
-        return GroupProgress(
-            group=GroupId(_str(raw, "group")),
-            last_enqueued=_int(raw, "last_enqueued"),
-            last_completed=_int(raw, "last_completed"),
-            pending_op=_str(raw, "pending_op", allow_empty=True),
-            last_enqueue_us=_int(raw, "last_enqueue_us"),
-            last_complete_us=_int(raw, "last_complete_us"),
-        )
-    except InvalidRecord as exc:
-        raise InvalidRecord(f"groups[{index}]: {exc}") from None
-
-
-def decode(raw: Any) -> Record:
-    """A record from its wire form; raises InvalidRecord saying what is wrong."""
-    if not isinstance(raw, Mapping):
-        raise InvalidRecord(f"a record must be a JSON object, got {type(raw).__name__}")
-    kind = raw.get("type")
-    if kind not in RECORD_TYPES:
-        raise InvalidRecord(
-            f"field 'type' must be one of {', '.join(RECORD_TYPES)}, got {kind!r}"
-        )
-    if kind == "health":
-        # Node-wide readings have no job, attempt or rank.
-        return HealthSample(
-            job=JobId(_str(raw, "job", allow_empty=True)), node=NodeId(_str(raw, "node")),
-            device=_str(raw, "device"), time_us=_int(raw, "time_us"),
-            source=_str(raw, "source"), metric=_str(raw, "metric"),
-            value=_float(raw, "value"), severity=_choice(raw, "severity", HealthSeverity),
-            detail=_str(raw, "detail", allow_empty=True),
-        )
-    job = JobId(_str(raw, "job"))
-    attempt = _int(raw, "attempt", hi=_MAX_I32)
-    rank = Rank(_int(raw, "rank", hi=_MAX_I32))
-    if kind == "collective":
-        state = _choice(raw, "state", CollectiveState)
-        return CollectiveEvent(
-            job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
-            group=GroupId(_str(raw, "group")), seq=_int(raw, "seq", lo=1), op=_str(raw, "op"),
-            nbytes=_int(raw, "nbytes"), dtype=_str(raw, "dtype", allow_empty=True),
-            peer=_int(raw, "peer", lo=-1, hi=_MAX_I32), state=state,
-            enqueue_us=_int(raw, "enqueue_us"), complete_us=_int(raw, "complete_us"),
-        )
-    if kind == "heartbeat":
-        groups = _field(raw, "groups")
-        if not isinstance(groups, list):
-            raise InvalidRecord("field 'groups' must be a list")
-        return Heartbeat(
-            job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
-            time_us=_int(raw, "time_us"), pid=_int(raw, "pid", hi=_MAX_I32),
-            step=_int(raw, "step"), step_us=_int(raw, "step_us"),
-            start_step=_int(raw, "start_step"), first_step_us=_int(raw, "first_step_us"),
-            dropped=_int(raw, "dropped"),
-            groups=tuple(_progress(g, i) for i, g in enumerate(groups)),
-        )
-    if kind == "group":
-        ranks = _field(raw, "ranks")
-        if not isinstance(ranks, list) or not all(
-            isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= _MAX_I32 for r in ranks
-        ):
-            raise InvalidRecord("field 'ranks' must be a list of non-negative integers")
-        return ProcessGroupInfo(
-            job=job, attempt=attempt, rank=rank, group=GroupId(_str(raw, "group")),
-            ranks=tuple(ranks), backend=_str(raw, "backend", allow_empty=True),
-            time_us=_int(raw, "time_us"),
-        )
-    if kind == "exit":
-        return RankExit(
-            job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
-            pid=_int(raw, "pid", hi=_MAX_I32),
-            exit_code=_int(raw, "exit_code", lo=-_MAX_I32, hi=_MAX_I32),
-            time_us=_int(raw, "time_us"),
-        )
-    if kind == "process":
-        return ProcessSample(
-            job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
-            pid=_int(raw, "pid", hi=_MAX_I32), time_us=_int(raw, "time_us"),
-            state=_str(raw, "state"), cpu_s=_float(raw, "cpu_s"),
-            cpu_rate=_float(raw, "cpu_rate"), read_bytes=_int(raw, "read_bytes"),
-            write_bytes=_int(raw, "write_bytes"), io_rate=_float(raw, "io_rate"),
-        )
-    return StackSample(
-        job=job, attempt=attempt, node=NodeId(_str(raw, "node")), rank=rank,
-        time_us=_int(raw, "time_us"), frames=_frames(raw),
-    )
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if strict:
+            raise InvalidRecord(f"a record must be JSON: {exc}") from None
+        return None
 
 
 def decode_records(raws: Iterable[Any]) -> tuple[list[Record], list[Rejection]]:
-    """Decode what can be decoded; every rejected record is returned with its reason."""
+    """Decode what can be decoded (parsed JSON objects); every rejected record is returned with
+    its reason."""
     records: list[Record] = []
     rejected: list[Rejection] = []
     for index, raw in enumerate(raws):
@@ -408,16 +153,187 @@ def decode_records(raws: Iterable[Any]) -> tuple[list[Record], list[Rejection]]:
 
 
 def decode_batch(data: bytes | str) -> DecodedBatch:
-    """A batch from JSON. The batch itself must be well formed; bad records inside are rejected."""
+    """A batch from JSON. The batch itself must be well formed; bad records inside are rejected
+    one by one and the rest kept."""
+    _, record_decoder, batch_decoder = _codecs(True)
+    try:
+        whole = batch_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass
+    else:
+        if not whole.batch_id:
+            raise InvalidRecord("field 'batch_id' must not be empty")
+        return DecodedBatch(Batch(batch_id=whole.batch_id, records=tuple(whole.records)), ())
+    records: list[Record] = []
+    rejected: list[Rejection] = []
+    try:
+        envelope = msgspec.json.decode(data, type=_Envelope)
+    except msgspec.DecodeError:
+        batch_id, raws = _python_envelope(data)
+        records, rejected = decode_records(raws)
+        return DecodedBatch(Batch(batch_id=batch_id, records=tuple(records)), tuple(rejected))
+    except msgspec.ValidationError as exc:
+        _python_envelope(data)  # says what is wrong with the batch in its own words
+        raise InvalidRecord(f"a batch must be {{'batch_id', 'records'}}: {exc}") from None
+    if not envelope.batch_id:
+        raise InvalidRecord("field 'batch_id' must not be empty")
+    for index, raw in enumerate(envelope.records):
+        try:
+            records.append(record_decoder.decode(raw))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            parsed = _parsed(bytes(raw))
+            reason = _reason(str(exc), parsed, True) if parsed is not None else str(exc)
+            rejected.append(Rejection(index, reason))
+    return DecodedBatch(Batch(batch_id=envelope.batch_id, records=tuple(records)), tuple(rejected))
+
+
+def _python_envelope(data: bytes | str) -> tuple[str, list[Any]]:
+    """batch_id and raw records of a batch parsed by Python's json (which msgspec refused)."""
     try:
         raw = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRecord(f"a batch must be JSON: {exc}") from exc
     if not isinstance(raw, Mapping):
         raise InvalidRecord("a batch must be a JSON object with 'batch_id' and 'records'")
-    batch_id = _str(raw, "batch_id")
-    raws = _field(raw, "records")
-    if not isinstance(raws, Sequence) or isinstance(raws, str):
+    if "batch_id" not in raw:
+        raise InvalidRecord("missing field 'batch_id'")
+    batch_id = raw["batch_id"]
+    if not isinstance(batch_id, str) or not batch_id:
+        raise InvalidRecord("field 'batch_id' must be a non-empty string")
+    if "records" not in raw:
+        raise InvalidRecord("missing field 'records'")
+    raws = raw["records"]
+    if not isinstance(raws, list):
         raise InvalidRecord("field 'records' must be a list")
-    records, rejected = decode_records(raws)
-    return DecodedBatch(Batch(batch_id=batch_id, records=tuple(records)), tuple(rejected))
+    return batch_id, raws
+
+
+# --- what was wrong, in words that name the field ---------------------------------------------
+
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
+_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+_WIRE_NAMES = {
+    "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean",
+    "object": "an object", "array": "a list", "null": "null",
+}
+
+
+def _reason(message: str, raw: Any, batch_only: bool) -> str:
+    """msgspec's validation message rewritten to name the field, its limits and the bad value."""
+    found = _AT.match(message)
+    assert found is not None
+    text, path = found["message"], found["path"] or "$"
+    steps: list[str | int] = [
+        name if name else int(index) for name, index in _STEP.findall(path[1:])
+    ]
+    if text.startswith("Object missing required field"):
+        missing = text.split("`")[1]
+        if not steps and missing == "type":
+            return _bad_type(None, batch_only)
+        return _prefix(steps) + f"missing field {missing!r}"
+    if not steps:
+        if text.startswith("Expected `object`"):
+            return f"a record must be a JSON object, got {_got(text)}"
+        return text
+    if steps == ["type"]:
+        return _bad_type(_value(raw, steps), batch_only)
+    element: str | int | None = None
+    if isinstance(steps[-1], int):
+        element = steps.pop()
+    name = str(steps[-1])
+    where = _prefix(steps[:-1]) + f"field {name!r}"
+    info = _field_type(raw, steps)
+    value = _value(raw, steps)
+    if element is not None:
+        item = f"{name}[{element}]"
+        if "length <=" in text:
+            return f"{where}: {item} is over {kinds.MAX_TEXT} characters"
+        return f"{where} must be a list of {_plural(info)}: {item} is {_got(text)}"
+    if text.startswith("Expected `array`"):
+        return f"{where} must be a list of {_plural(info)}, got {_got(text)}"
+    if text.startswith("Expected `str` of length >="):
+        return f"{where} must not be empty"
+    if text.startswith("Expected `str` of length <="):
+        return f"{where} must be at most {kinds.MAX_TEXT} characters"
+    if text.startswith(("Expected `int` >=", "Expected `int` <=")):
+        lo, hi = _limits(info)
+        return f"{where} must be between {lo} and {hi}, got {_short(value)}"
+    if text.startswith("Invalid enum value"):
+        accepted = ", ".join(str(e.value) for e in info.cls) if isinstance(
+            info, mi.EnumType) else "?"
+        return f"{where} must be one of {accepted}, got {_short(value)}"
+    if text.startswith("Number out of range") or "finite" in text:
+        return f"{where} must be a finite number, got {_short(value)}"
+    if text.startswith("Expected `"):
+        expected = text.split("`")[1]
+        return f"{where} must be {_WIRE_NAMES.get(expected, expected)}, got {_got(text)}"
+    return f"{where}: {text}"
+
+
+def _bad_type(value: Any, batch_only: bool) -> str:
+    accepted = ", ".join(record_types(batch_only=batch_only))
+    return f"field 'type' must be one of {accepted}, got {_short(value)}"
+
+
+def _prefix(steps: Sequence[str | int]) -> str:
+    """`groups[1]: ` for a field inside the second element of `groups`."""
+    if not steps:
+        return ""
+    text = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).lstrip(".")
+    return f"{text}: "
+
+
+def _got(text: str) -> str:
+    return text.rsplit("got `", 1)[-1].rstrip("`") if "got `" in text else "something else"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _value(raw: Any, steps: Sequence[str | int]) -> Any:
+    for step in steps:
+        try:
+            raw = raw[step]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return raw
+
+
+def _field_type(raw: Any, steps: Sequence[str | int]) -> Any:
+    """The msgspec type info of the field at `steps` in the record `raw` claims to be."""
+    tag = raw.get("type") if isinstance(raw, Mapping) else None
+    layout = kinds.by_tag(tag) if isinstance(tag, str) else None
+    if layout is None:
+        return None
+    info: Any = mi.type_info(layout.kind)
+    for step in steps:
+        info = info.type if isinstance(info, mi.Metadata) else info
+        if isinstance(step, int):
+            info = info.item_type if isinstance(info, mi.VarTupleType | mi.ListType) else None
+        elif isinstance(info, mi.StructType):
+            info = next((f.type for f in info.fields if f.encode_name == step), None)
+        else:
+            return None
+        if info is None:
+            return None
+    return info.type if isinstance(info, mi.Metadata) else info
+
+
+def _limits(info: Any) -> tuple[Any, Any]:
+    if isinstance(info, mi.IntType):
+        return info.ge, info.le
+    return "?", "?"
+
+
+def _plural(info: Any) -> str:
+    item = info.item_type if isinstance(info, mi.VarTupleType | mi.ListType) else None
+    item = item.type if isinstance(item, mi.Metadata) else item
+    if isinstance(item, mi.StrType):
+        return "strings"
+    if isinstance(item, mi.IntType):
+        return "non-negative integers" if (item.ge or 0) >= 0 else "integers"
+    if isinstance(item, mi.StructType):
+        return "objects"
+    return "values"

@@ -2,7 +2,7 @@
 controller's env contract, and a small ingest endpoint that keeps what it is sent.
 
 The ingest endpoint here is a stand-in for the controller's (it answers like
-`tracing.ingest`: 200 {"inserted", "skipped", "rejected"}), so these tests need no store.
+`tracing.store.ingest`: 200 {"inserted", "skipped", "rejected"}), so these tests need no store.
 """
 
 from __future__ import annotations

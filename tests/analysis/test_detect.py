@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang, diagnose
+from tracehound.analysis import diagnose_observation as diagnose
+from tracehound.analysis.confidence import CERTAIN, STRONG, WEAK
+from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import GroupProgress, Heartbeat, IncidentKind, RankExit
@@ -65,7 +67,7 @@ def test_stopped_rank_that_lags_is_the_culprit() -> None:
     assert verdict.culprit_ranks == (3,)
     assert verdict.culprit_nodes == ("node-1",)
     assert verdict.basis is Basis.CONTROL_DEPENDENCY
-    assert verdict.confidence == 0.95  # lagging and silent
+    assert verdict.confidence == CERTAIN  # lagging and silent
     lag = [e for e in verdict.evidence if e.fact is Fact.LAGGING]
     assert [(e.rank, e.group, e.seq) for e in lag] == [(3, "0", 66)]
     assert "never entered collective #66 of group 0" in lag[0].detail
@@ -123,7 +125,7 @@ def test_cross_group_dependency_leads_to_the_root() -> None:
     assert verdict is not None
     assert verdict.kind is IncidentKind.HANG
     assert verdict.culprit_ranks == (3,)
-    assert verdict.confidence == 0.85  # lagging and stuck, but still reporting
+    assert verdict.confidence == STRONG  # lagging and stuck, but still reporting
 
 
 def test_stall_without_laggard_or_silence_names_the_group_with_low_confidence() -> None:
@@ -134,7 +136,7 @@ def test_stall_without_laggard_or_silence_names_the_group_with_low_confidence() 
     assert verdict is not None
     assert verdict.basis is Basis.UNLOCALIZED
     assert verdict.culprit_ranks == (0, 1, 2, 3)
-    assert verdict.confidence < 0.5
+    assert verdict.confidence < WEAK
 
 
 def test_first_failure_is_the_culprit_not_the_peers_that_followed() -> None:
@@ -145,7 +147,7 @@ def test_first_failure_is_the_culprit_not_the_peers_that_followed() -> None:
     assert verdict.kind is IncidentKind.CRASH
     assert verdict.culprit_ranks == (3,)
     assert verdict.culprit_nodes == ("node-1",)
-    assert verdict.confidence == 0.95
+    assert verdict.confidence == CERTAIN
     assert verdict.summary.startswith("rank 3 on node node-1 killed by signal 9 first")
     assert [e.rank for e in verdict.evidence] == [3, 1, 0]
 
@@ -170,7 +172,7 @@ def test_simultaneous_failures_are_named_together_with_less_confidence() -> None
     verdict = detect_crash(snap(t + S, [], (exit_(1, 1, t), exit_(2, 1, t + 500))), SETTINGS)
     assert verdict is not None
     assert verdict.culprit_ranks == (1, 2)
-    assert verdict.confidence == 0.6
+    assert verdict.confidence == WEAK
 
 
 def test_verdict_serializes_to_json_with_evidence() -> None:

@@ -1,4 +1,5 @@
-"""Replays snapshots recorded from real fault-injection runs (tests/golden) through the analysis."""
+"""Replays snapshots recorded from real fault-injection runs (tests/golden) through the analysis'
+entry point, `tracehound.analysis.diagnose_observation`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.analysis.detect import DetectionSettings, diagnose
+from tracehound.analysis import DetectionSettings, diagnose_observation
 from tracehound.analysis.snapshot import snapshot_from_json, snapshot_to_json
 from tracehound.analysis.verdict import Basis
 
@@ -24,7 +25,7 @@ def test_recorded_fault_gives_the_recorded_verdict(
     name: str, kind: str, ranks: tuple[int, ...], nodes: tuple[str, ...], basis: Basis
 ) -> None:
     snap = snapshot_from_json((GOLDEN / f"{name}.snapshot.json").read_text())
-    verdict = diagnose(snap, DetectionSettings())
+    verdict = diagnose_observation(snap, DetectionSettings())
     assert verdict is not None
     assert verdict.kind.value == kind
     assert verdict.culprit_ranks == ranks
@@ -44,9 +45,13 @@ def test_one_second_earlier_the_hang_was_not_yet_declared() -> None:
     snap = snapshot_from_json((GOLDEN / "hang_sigstop_rank3.snapshot.json").read_text())
     from dataclasses import replace
 
+    import msgspec
+
     earlier = replace(
         snap,
         now_us=snap.now_us - 1_000_000,
-        heartbeats=tuple(replace(hb, time_us=hb.time_us - 1_000_000) for hb in snap.heartbeats),
+        heartbeats=tuple(
+            msgspec.structs.replace(hb, time_us=hb.time_us - 1_000_000) for hb in snap.heartbeats
+        ),
     )
-    assert diagnose(earlier, DetectionSettings()) is None
+    assert diagnose_observation(earlier, DetectionSettings()) is None

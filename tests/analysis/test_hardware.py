@@ -7,6 +7,7 @@ from dataclasses import replace
 from observation_builders import S, arrivals, beat, groups, health, observe, progress, snapshot
 
 from tracehound.analysis.common import collective_groups, group_members
+from tracehound.analysis.confidence import LIKELY, STRONG
 from tracehound.analysis.detect import DetectionSettings, detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.hardware import correlate_hardware, detect_slow_node
@@ -30,13 +31,16 @@ def straggling(*samples_at: tuple[str, str, HealthSeverity, int]) -> Observation
 
 
 def test_a_throttle_warning_on_the_stragglers_node_makes_it_hardware() -> None:
-    verdict = diagnose_observation(straggling(("node-2", "throttle", WARNING, -1)), SETTINGS)
-    assert verdict is not None
+    obs = straggling(("node-2", "throttle", WARNING, -1))
+    verdict = diagnose_observation(obs, SETTINGS)
+    own = detect_straggler(obs, SETTINGS)
+    assert verdict is not None and own is not None
     assert verdict.kind is IncidentKind.HARDWARE
     assert verdict.basis is Basis.HEALTH_CORRELATION
     assert verdict.culprit_ranks == (17,)
     assert verdict.culprit_nodes == ("node-2",)
-    assert verdict.confidence == 0.945  # the straggler's own confidence, kept
+    # A warning makes it STRONG at least; the straggler's own confidence is higher, and kept.
+    assert verdict.confidence == own.confidence > STRONG
     assert verdict.evidence[0].fact is Fact.HEALTH
     assert verdict.evidence[0].detail == (
         "warning throttle=1 on gpu3 of node node-2, 1.0 s before the window ended")
@@ -75,7 +79,7 @@ def test_an_xid_localizes_a_hang_that_no_rank_explains() -> None:
     assert verdict.kind is IncidentKind.HARDWARE
     assert verdict.culprit_nodes == ("node-1",)
     assert verdict.culprit_ranks == tuple(range(8, 16))
-    assert verdict.confidence == 0.6  # the event alone localizes: no higher
+    assert verdict.confidence == LIKELY  # the event alone localizes: no higher
 
 
 def test_a_warning_counts_on_the_most_likely_node_only() -> None:
@@ -129,7 +133,7 @@ def test_a_slow_node_with_an_nvlink_warning_is_hardware() -> None:
     assert verdict.basis is Basis.HEALTH_CORRELATION
     assert verdict.culprit_nodes == ("node-2",)
     assert verdict.culprit_ranks == tuple(range(16, 24))
-    assert verdict.confidence == 0.7
+    assert verdict.confidence == LIKELY
     assert verdict.evidence[0].fact is Fact.HEALTH
     assert [e.fact for e in verdict.evidence[1:]] == [Fact.LATE] * 4  # every recent window
     assert verdict.summary.startswith(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from observation_builders import T0, S, links, observe, snapshot
 
+from tracehound.analysis.confidence import STRONG, WEAK
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.links import detect_slow_link
 from tracehound.analysis.observation import Observation
@@ -43,7 +44,7 @@ def test_the_slow_link_is_named_with_both_ends() -> None:
     assert verdict.culprit_link == (5, 21)
     assert verdict.culprit_ranks == (5, 21)
     assert verdict.culprit_nodes == ("node-0", "node-2")
-    assert verdict.confidence == 0.9
+    assert verdict.confidence == STRONG  # 2.5x: twice as slow is no hiccup
     assert verdict.summary.startswith(
         "transfers from rank 5 on node node-0 to rank 21 on node node-2 took 1.98 ms")
     assert "2.5x the median of 96 comparable inter-node links" in verdict.summary
@@ -66,7 +67,7 @@ def test_a_node_whose_links_are_all_slow_is_blamed() -> None:
     assert verdict is not None
     assert verdict.culprit_nodes == ("node-3",)
     assert set(verdict.culprit_ranks) == set(range(24, 32))
-    assert verdict.confidence == 0.85
+    assert verdict.confidence == STRONG
     assert verdict.summary.startswith("the network of node node-3 is slow: 32 of 32 links")
 
 
@@ -122,7 +123,7 @@ def test_at_a_pipeline_boundary_the_node_whose_collectives_take_longer_comes_fir
     assert verdict is not None
     assert verdict.culprit_nodes == ("node-4", "node-0")
     assert set(verdict.culprit_ranks) == set(range(32, 40))
-    assert verdict.confidence == 0.5
+    assert verdict.confidence == WEAK
     assert "either side's network may be the slow one (its ranks' collectives take 10.0 ms " \
            "from first arrival to completion, those of node-0 9.20 ms)" in verdict.summary
     # ...and the other way round when node-0's collectives are the slow ones.

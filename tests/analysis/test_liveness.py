@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
 from observation_builders import T0, S, beat, node_of, progress, snapshot, stack
 
 from tracehound.analysis.detect import DetectionSettings, detect_hang
@@ -98,7 +99,7 @@ def test_a_rank_writing_a_checkpoint_is_a_stall_with_where_it_is() -> None:
     obs = Observation(snapshot=snap, window_start_us=NOW - 10 * S, window_end_us=NOW)
     assert diagnose_observation(obs, SETTINGS) == verdict
     # A stack from before the rank left its collectives says nothing of where it is now.
-    old = replace(snap, stacks=(replace(frames, time_us=left - S),))
+    old = replace(snap, stacks=(msgspec.structs.replace(frames, time_us=left - S),))
     stale = detect_hang(old, SETTINGS)
     assert stale is not None and "(at " not in stale.summary
 
@@ -160,7 +161,7 @@ def test_a_process_sample_of_an_earlier_process_is_ignored() -> None:
         beat(1, NOW - S // 5, progress(PAIR, 7, 6, enq_us=stop, op="send")),
         beat(3, stop, progress(PAIR, 7, 6, enq_us=stop, op="recv")),
     ]
-    other = replace(proc(3, "R", NOW - S, cpu_rate=1.0), pid=4242)
+    other = msgspec.structs.replace(proc(3, "R", NOW - S, cpu_rate=1.0), pid=4242)
     verdict = detect_hang(replace(snapshot(NOW, 4, beats), processes=(other,)), SETTINGS)
     assert verdict is not None and verdict.kind is IncidentKind.HANG
     assert verdict.culprit_ranks == (3,)

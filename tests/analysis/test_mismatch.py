@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from observation_builders import T0, S, beat, observe, progress, snapshot
 
+from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, WEAK
 from tracehound.analysis.detect import DetectionSettings, detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.mismatch import detect_mismatch
@@ -36,7 +37,7 @@ def test_the_rank_that_ran_another_op_is_named_not_the_majority() -> None:
     assert verdict.culprit_ranks == (5,)
     assert verdict.culprit_nodes == ("node-0",)
     assert verdict.group == "tp-0"
-    assert verdict.confidence == 0.95
+    assert verdict.confidence == CERTAIN
     assert verdict.summary == (
         "rank 5 on node node-0 ran a different op at collective #88 of group tp-0: broadcast of "
         "4096 B bfloat16 while 7 of 8 members ran all_reduce of 4096 B bfloat16"
@@ -66,7 +67,7 @@ def test_two_members_without_a_majority_are_both_named_with_low_confidence() -> 
     verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
     assert verdict is not None
     assert verdict.culprit_ranks == (0, 1)
-    assert verdict.confidence == 0.5
+    assert verdict.confidence == WEAK
     assert "no majority" in verdict.summary
 
 
@@ -82,7 +83,7 @@ def test_of_two_members_the_one_that_left_the_group_is_named_first() -> None:
     verdict = detect_mismatch(observe(snapshot(NOW, 2, beats), disagreements=(d,)), SETTINGS)
     assert verdict is not None
     assert verdict.culprit_ranks == (1, 0)
-    assert verdict.confidence == 0.7
+    assert verdict.confidence == LIKELY
 
 
 def test_pending_ops_that_differ_on_one_sequence_id_name_the_minority() -> None:
@@ -117,7 +118,7 @@ def test_a_rank_pending_one_collective_ahead_is_the_culprit_not_the_ones_it_wait
     assert verdict is not None
     assert verdict.kind is IncidentKind.MISMATCH
     assert verdict.culprit_ranks == (2,)
-    assert verdict.confidence == 0.85
+    assert verdict.confidence == STRONG
     assert verdict.summary == (
         "rank 2 on node node-0 issued 1 collective(s) more than its peers in group dp-0: it is "
         "pending in broadcast #11 while 3 of 4 members are pending in all_reduce #10"
@@ -156,7 +157,7 @@ def test_siblings_break_a_tie_of_two_members() -> None:
     assert verdict is not None
     assert verdict.culprit_ranks == (46,)
     assert verdict.basis is Basis.MAJORITY_VOTE
-    assert verdict.confidence == 0.85
+    assert verdict.confidence == STRONG
     assert verdict.group == "dp-22"
     assert verdict.summary == (
         "rank 46 on node node-5 ran a different dtype at collective #10215 of group dp-22: "
@@ -179,7 +180,7 @@ def test_too_few_or_unrelated_siblings_leave_the_tie() -> None:
             observe(snapshot(NOW, 64), disagreements=(dtype_tie(peer),)), SETTINGS)
         assert verdict is not None
         assert verdict.culprit_ranks == (38, 46)
-        assert verdict.confidence == 0.5
+        assert verdict.confidence == WEAK
         assert "no majority" in verdict.summary
 
 
@@ -190,14 +191,14 @@ def test_siblings_break_a_tie_of_more_members_only_between_the_tied_calls() -> N
     verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
     assert verdict is not None
     assert verdict.culprit_ranks == (0, 2)
-    assert verdict.confidence == 0.7
+    assert verdict.confidence == LIKELY
     # 2 against 1 against 1 is a majority: siblings backing a minority call change nothing.
     d = disagreement(["all_reduce", "broadcast", "all_reduce", "all_gather"],
                      peer=("broadcast", 4096, "bfloat16", 4))
     verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
     assert verdict is not None
     assert verdict.culprit_ranks == (1, 3)
-    assert verdict.confidence == 0.75
+    assert verdict.confidence == LIKELY
     assert "other groups" not in verdict.summary
 
 
@@ -207,7 +208,7 @@ def test_a_majority_within_the_group_outweighs_its_siblings() -> None:
     verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
     assert verdict is not None
     assert verdict.culprit_ranks == (2,)
-    assert verdict.confidence == 0.95
+    assert verdict.confidence == CERTAIN
     assert "other groups" not in verdict.summary
 
 
@@ -215,12 +216,12 @@ def test_siblings_that_agree_with_the_majority_add_confidence() -> None:
     ops = ["all_reduce", "all_reduce", "broadcast", "all_reduce", "all_gather"]
     alone = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(disagreement(ops),)),
                             SETTINGS)
-    assert alone is not None and alone.confidence == 0.75
+    assert alone is not None and alone.confidence == LIKELY
     d = disagreement(ops, peer=("all_reduce", 4096, "bfloat16", 7))
     verdict = detect_mismatch(observe(snapshot(NOW, 8), disagreements=(d,)), SETTINGS)
     assert verdict is not None
     assert verdict.culprit_ranks == alone.culprit_ranks == (2, 4)
-    assert verdict.confidence == 0.9
+    assert verdict.confidence == STRONG
     assert verdict.summary.endswith(
         "while 3 of 5 members ran all_reduce of 4096 B bfloat16, as did 7 other groups of 5 "
         "members at the same sequence id"
@@ -236,4 +237,4 @@ def test_a_majority_within_a_group_leads_a_tie_broken_by_siblings() -> None:
     assert verdict is not None
     assert verdict.culprit_ranks == (39, 46)
     assert verdict.group == "tp-4"
-    assert verdict.confidence == 0.95
+    assert verdict.confidence == CERTAIN

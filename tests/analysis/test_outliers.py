@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from observation_builders import T0, S, arrivals, groups, node_of, observe, snapshot
 
+from tracehound.analysis.confidence import LIKELY
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.outliers import detect_node_outliers, outlier_nodes
 from tracehound.analysis.verdict import Basis, Fact
@@ -39,7 +40,7 @@ def test_a_node_that_stays_an_outlier_is_flagged_with_its_ranks() -> None:
     assert verdict.basis is Basis.OUTLIER_MODEL
     assert verdict.culprit_nodes == ("node-7",)
     assert verdict.culprit_ranks == tuple(range(56, 64))
-    assert verdict.confidence == 0.6
+    assert verdict.confidence == LIKELY
     assert verdict.evidence[0].fact is Fact.OUTLIER
     assert verdict.summary.startswith("node node-7 was an outlier in 4 of the last 4 windows")
 

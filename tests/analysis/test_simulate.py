@@ -12,16 +12,17 @@ import pytest
 
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import load_observation
-from tracehound.analysis.simulate import (
+from tracehound.analysis.sim import (
     FAULT_KINDS,
     SimulatedJob,
     Topology,
     simulate,
     write_to_store,
 )
+from tracehound.analysis.sim.reference import rank_stats
 from tracehound.tracing.events import HealthSeverity, Heartbeat, IncidentKind
 from tracehound.tracing.store import TraceStore
-from tracehound.tracing.summaries import NodeWindows, rank_stats
+from tracehound.tracing.summaries import NodeWindows
 
 S = 1_000_000
 HANG_AFTER_US = 5 * S

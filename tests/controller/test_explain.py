@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from tracehound.controller.explain import diagnose_stored, format_verdict
 from tracehound.tracing.events import Batch, GroupProgress, Heartbeat, RankExit
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
@@ -12,9 +14,9 @@ T0 = 1_700_000_000 * S
 JOB = JobId("explain")
 
 
-def beat(rank: int, at: int) -> Heartbeat:
+def beat(rank: int, at: int, attempt: int = 0) -> Heartbeat:
     return Heartbeat(
-        job=JOB, attempt=0, node=NodeId(f"node-{rank // 2}"), rank=Rank(rank), time_us=at,
+        job=JOB, attempt=attempt, node=NodeId(f"node-{rank // 2}"), rank=Rank(rank), time_us=at,
         pid=1, step=3, step_us=at, start_step=0, first_step_us=T0, dropped=0,
         groups=(GroupProgress(group=GroupId("0"), last_enqueued=9, last_completed=9,
                               pending_op="", last_enqueue_us=at, last_complete_us=at),),
@@ -41,3 +43,27 @@ def test_a_healthy_job_says_so_and_an_unknown_job_is_none(store: TraceStore) -> 
     assert outcome is not None
     assert outcome["kind"] == "healthy" and outcome["ranks_seen"] == 2
     assert diagnose_stored(store, JobId("nope")) is None
+
+
+class CountingStore:
+    """A store that counts how often the job's incidents are read."""
+
+    def __init__(self, store: TraceStore) -> None:
+        self.store = store
+        self.incident_reads = 0
+
+    def incidents(self, job: JobId | None = None) -> list[Any]:
+        self.incident_reads += 1
+        return self.store.incidents(job)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_the_incidents_are_read_once_whatever_the_attempts(store: TraceStore) -> None:
+    records = tuple(beat(r, T0 + a * S, attempt=a) for a in range(3) for r in range(2))
+    store.insert(Batch(batch_id="z", records=records))
+    counting = CountingStore(store)
+    outcome = diagnose_stored(cast(TraceStore, counting), JOB)
+    assert outcome is not None and outcome["kind"] == "healthy"
+    assert counting.incident_reads == 1

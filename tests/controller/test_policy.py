@@ -6,9 +6,16 @@ from dataclasses import replace
 
 import pytest
 
+from tracehound.analysis.confidence import LIKELY, STRONG, TYPICAL, WEAK
 from tracehound.analysis.verdict import Basis, Verdict
 from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes
-from tracehound.controller.policy import PolicySettings, plan_recovery
+from tracehound.controller.policy import (
+    SOFT_KINDS,
+    KindRule,
+    PolicySettings,
+    Response,
+    plan_recovery,
+)
 from tracehound.tracing.events import ActionKind, IncidentKind
 from tracehound.tracing.ids import JobId, NodeId
 
@@ -124,3 +131,87 @@ def test_a_mismatch_is_the_programs_fault_and_is_not_restarted() -> None:
     plan = plan_recovery(bug, restarts_done=0, healthy_spares=1, settings=PolicySettings())
     assert [a.kind for a in plan] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
     assert "training program" in plan[1].reason
+
+
+# A basis each kind is ordinarily found by (the policy reads only UNLOCALIZED and BUSY_TIMEOUT).
+_BASIS = {
+    IncidentKind.HARDWARE: Basis.HEALTH_CORRELATION,
+    IncidentKind.CRASH: Basis.EXIT_STATUS,
+    IncidentKind.STRAGGLER: Basis.ARRIVAL_LATENESS,
+    IncidentKind.SLOW_LINK: Basis.LINK_LATENCY,
+    IncidentKind.NODE_OUTLIER: Basis.OUTLIER_MODEL,
+    IncidentKind.SILENT_HANG: Basis.MAJORITY_VOTE,
+}
+
+
+def of_kind(kind: IncidentKind, confidence: float,
+            nodes: tuple[str, ...] = ("node-1",)) -> Verdict:
+    return replace(verdict(confidence=confidence, nodes=nodes), kind=kind,
+                   basis=_BASIS.get(kind, Basis.CONTROL_DEPENDENCY))
+
+
+def test_every_kind_has_a_rule_and_a_typical_confidence() -> None:
+    settings = PolicySettings()
+    assert set(settings.rules) == set(IncidentKind) == set(TYPICAL)
+    assert all(r.why for r in settings.rules.values())
+    assert {k for k in IncidentKind if settings.repeated(k)} == SOFT_KINDS == {
+        IncidentKind.STRAGGLER, IncidentKind.SLOW_LINK, IncidentKind.NODE_OUTLIER}
+
+
+@pytest.mark.parametrize("kind", [k for k, r in PolicySettings().rules.items() if r.isolates])
+def test_every_kind_that_isolates_does_so_at_its_typical_confidence(kind: IncidentKind) -> None:
+    """The analysis' ordinary verdict of each kind reaches its rule's thresholds: after the
+    repeats the rule asks for, it stops the job and evicts the culprit's node at once."""
+    settings = PolicySettings()
+    rule = settings.rule(kind)
+    assert rule.isolate_from is not None
+    assert TYPICAL[kind] >= rule.isolate_from >= rule.act_from
+    plan = plan_recovery(of_kind(kind, TYPICAL[kind]), restarts_done=0, healthy_spares=1,
+                         settings=settings, times_seen=rule.repeats)
+    assert kinds(plan) == [("stop_job", "attempt 0"), ("isolate_node", "node-1"),
+                           ("restart", "attempt 1")]
+
+
+def test_kinds_that_never_isolate_say_why() -> None:
+    rules = PolicySettings().rules
+    assert {k for k, r in rules.items() if not r.isolates} == {
+        IncidentKind.MISMATCH, IncidentKind.STALL}
+    assert rules[IncidentKind.MISMATCH].response is Response.GIVE_UP
+    assert rules[IncidentKind.STALL].response is Response.OBSERVE
+
+
+def test_one_outlier_node_is_evicted_once_seen_again_several_are_only_watched() -> None:
+    settings = PolicySettings()
+    repeats = settings.rule(IncidentKind.NODE_OUTLIER).repeats
+    one = of_kind(IncidentKind.NODE_OUTLIER, LIKELY)
+    again = plan_recovery(one, restarts_done=0, healthy_spares=1, settings=settings,
+                          times_seen=repeats)
+    assert ("isolate_node", "node-1") in kinds(again)
+    several = of_kind(IncidentKind.NODE_OUTLIER, WEAK, nodes=("node-1", "node-2"))
+    plan = plan_recovery(several, restarts_done=0, healthy_spares=2, settings=settings,
+                         times_seen=repeats)
+    assert kinds(plan) == [("observe", "node-1, node-2")]
+    later = plan_recovery(several, restarts_done=0, healthy_spares=2, settings=settings,
+                          times_seen=repeats, watched_s=settings.watch_s)
+    assert kinds(later) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+
+
+def test_crash_ties_restart_at_once_without_evicting() -> None:
+    tie = of_kind(IncidentKind.CRASH, WEAK, nodes=("node-0", "node-1"))
+    plan = plan_recovery(tie, restarts_done=0, healthy_spares=2, settings=PolicySettings())
+    assert kinds(plan) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+    assert "nobody evicted" in plan[1].reason
+
+
+def test_between_act_and_isolate_the_job_restarts_at_once_evicting_nobody() -> None:
+    rules = {**PolicySettings().rules,
+             IncidentKind.HANG: KindRule(act_from=LIKELY, isolate_from=STRONG, why="test")}
+    settings = PolicySettings(rules=rules)
+    plan = plan_recovery(verdict(confidence=0.8), restarts_done=0, healthy_spares=1,
+                         settings=settings)
+    assert kinds(plan) == [("stop_job", "attempt 0"), ("restart", "attempt 1")]
+    assert plan[1].reason.startswith("not sure enough to evict (confidence 0.80, hang evicts "
+                                     "from 0.85); nobody evicted")
+    sure = plan_recovery(verdict(confidence=STRONG), restarts_done=0, healthy_spares=1,
+                         settings=settings)
+    assert ("isolate_node", "node-1") in kinds(sure)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracehound.tracing._sqlstore import SqlTraceStore
-from tracehound.tracing.clickhouse_embedded import EmbeddedClickHouseStore, param_text
+from tracehound.tracing.store.embedded import EmbeddedClickHouseStore, param_text
+from tracehound.tracing.store.engine import SqlTraceStore
 
 
 @pytest.fixture(scope="module")

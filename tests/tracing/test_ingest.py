@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from clickhouse_harness import free_port
 
-from tracehound.tracing.clickhouse_embedded import EmbeddedClickHouseStore
 from tracehound.tracing.errors import PermanentStoreError, TemporaryStoreError
 from tracehound.tracing.events import Batch, CollectiveEvent, CollectiveState, RankExit
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
-from tracehound.tracing.ingest import IngestResult, IngestServer, post_batch
 from tracehound.tracing.store import InsertReport
+from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
+from tracehound.tracing.store.ingest import IngestResult, IngestServer, post_batch
 from tracehound.tracing.wire import encode
 
 JOB = JobId("job-i")
@@ -88,7 +88,7 @@ def test_bad_records_are_rejected_and_the_good_ones_kept(
         good[2],
     ]
     body = json.dumps({"batch_id": "b-mixed", "records": records}).encode()
-    with caplog.at_level(logging.WARNING, logger="tracehound.tracing.ingest"):
+    with caplog.at_level(logging.WARNING, logger="tracehound.tracing.store.ingest"):
         status, payload, _ = post_raw(server.url, body, "?maybe_duplicate=1")
     assert status == 200
     assert payload["inserted"] == 3

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 
-from tracehound.tracing._sqlstore import SqlTraceStore
 from tracehound.tracing.events import (
     Action,
     ActionKind,
@@ -23,6 +21,7 @@ from tracehound.tracing.events import (
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.store import CollectiveKey, InsertReport, TraceStore, open_store
+from tracehound.tracing.store.engine import SqlTraceStore
 
 JOB = JobId("job-a")
 BIG = 2**64 - 1
@@ -61,7 +60,7 @@ def every_kind_batch(batch_id: str = "b-every") -> Batch:
     records: list[Record] = [
         collective(0, 1),
         collective(1, 1),
-        dataclasses.replace(collective(1, 2), state=CollectiveState.FAILED, complete_us=0),
+        msgspec.structs.replace(collective(1, 2), state=CollectiveState.FAILED, complete_us=0),
         CollectiveEvent(
             job=JOB, attempt=0, node=NodeId("node-0"), rank=Rank(0), group=GroupId("7"), seq=1,
             op="send", nbytes=BIG, dtype="", peer=1, state=CollectiveState.COMPLETED,
@@ -239,7 +238,7 @@ def incident(job: str, incident_id: str, t: int, **changes: object) -> Incident:
         kind=IncidentKind.HANG.value, culprit_ranks=(3,), culprit_nodes=("node-1",),
         confidence=0.875, summary="rank 3 stopped at seq 64", verdict_json='{"kind": "hang"}',
     )
-    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+    return msgspec.structs.replace(base, **changes)
 
 
 def action(job: str, incident_id: str, kind: ActionKind, t: int, *, ok: bool = True) -> Action:
@@ -262,8 +261,8 @@ def test_incidents_round_trip_with_their_actions(store: TraceStore) -> None:
 
     got = store.incidents(JOB)
     assert got == [
-        dataclasses.replace(early, actions=(isolate, restart)),
-        dataclasses.replace(late, actions=()),
+        msgspec.structs.replace(early, actions=(isolate, restart)),
+        msgspec.structs.replace(late, actions=()),
     ]
     assert got[1].verdict_json == late.verdict_json
     assert [i.incident_id for i in store.incidents()] == ["i-1", "i-9", "i-2"]

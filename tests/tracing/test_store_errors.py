@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 from clickhouse_harness import free_port
 
-from tracehound.tracing.clickhouse_embedded import EmbeddedClickHouseStore
-from tracehound.tracing.clickhouse_server import ClickHouseServerStore
 from tracehound.tracing.errors import (
     PermanentStoreError,
     StoreConfigError,
@@ -20,6 +18,8 @@ from tracehound.tracing.errors import (
 )
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
+from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
+from tracehound.tracing.store.server import ClickHouseServerStore
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The TraceStore contract for health and stack samples, bulk collective columns and the window
-summaries, run against every adapter (a real ClickHouse 18.16 server and chdb): the summaries the
-store computes in SQL equal the numpy reference of tracing.summaries on the same rows."""
+summaries, run against every adapter (a real ClickHouse 18.16 server and chdb): the summaries
+the store computes in SQL equal the numpy reference (tracehound.analysis.sim.reference) on the
+same rows."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from summary_data import (
     small_cases,
 )
 
-from tracehound.tracing._sqlstore import SqlTraceStore
 from tracehound.tracing.events import (
     Batch,
     CollectiveEvent,
@@ -35,6 +35,7 @@ from tracehound.tracing.events import (
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.store import InsertReport, TraceStore
+from tracehound.tracing.store.engine import SqlTraceStore
 from tracehound.tracing.summaries import CollectiveColumns
 
 JOB = JobId("job-q")
@@ -156,7 +157,7 @@ def test_insert_columns_refuses_bad_columns_and_writes_nothing(store: TraceStore
 
 
 def assert_store_matches_numpy(store: TraceStore, job: JobId, case: Case) -> None:
-    from tracehound.tracing import summaries
+    from tracehound.analysis.sim import reference as summaries
 
     c = case
     assert_rank_stats(store.rank_stats(job, 0, c.start_us, c.end_us),

@@ -1,5 +1,6 @@
-"""The numpy summaries against a literal, row-by-row reading of their definitions (the module
-docstring of tracing.summaries), on random windows full of ties, mismatches and p2p oddities."""
+"""The numpy reference summaries (analysis.sim.reference) against a literal, row-by-row reading
+of their definitions (the module docstring of tracing.summaries), on random windows full of ties,
+mismatches and p2p oddities."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from summary_data import (
     small_cases,
 )
 
+from tracehound.analysis.sim import reference
 from tracehound.tracing import summaries
 from tracehound.tracing.summaries import (
     CollectiveColumns,
@@ -156,14 +158,14 @@ def naive_node_windows(case: Case) -> NodeWindows:
 
 def check(case: Case) -> None:
     c = case
-    assert_rank_stats(summaries.rank_stats(c.cols, c.start_us, c.end_us), naive_rank_stats(c))
-    assert_link_stats(summaries.link_stats(c.cols, c.start_us, c.end_us), naive_link_stats(c))
-    assert summaries.disagreements(c.cols, c.start_us, c.end_us) == naive_disagreements(c)
-    assert summaries.disagreements(c.cols, c.start_us, c.end_us, limit=2) == (
+    assert_rank_stats(reference.rank_stats(c.cols, c.start_us, c.end_us), naive_rank_stats(c))
+    assert_link_stats(reference.link_stats(c.cols, c.start_us, c.end_us), naive_link_stats(c))
+    assert reference.disagreements(c.cols, c.start_us, c.end_us) == naive_disagreements(c)
+    assert reference.disagreements(c.cols, c.start_us, c.end_us, limit=2) == (
         naive_disagreements(c, limit=2)
     )
     assert_node_windows(
-        summaries.node_windows(c.cols, c.node_of_rank, c.start_us, c.end_us, c.window_us),
+        reference.node_windows(c.cols, c.node_of_rank, c.start_us, c.end_us, c.window_us),
         naive_node_windows(c),
     )
 
@@ -179,9 +181,9 @@ def test_numpy_summaries_follow_the_definitions_on_bigger_windows(seed: int) -> 
     case = random_case(seed)
     check(case)
     # The case is not degenerate: every summary has something to say.
-    assert len(summaries.rank_stats(case.cols, case.start_us, case.end_us).rank) > 5
-    assert len(summaries.link_stats(case.cols, case.start_us, case.end_us).src) > 0
-    assert summaries.disagreements(case.cols, case.start_us, case.end_us)
+    assert len(reference.rank_stats(case.cols, case.start_us, case.end_us).rank) > 5
+    assert len(reference.link_stats(case.cols, case.start_us, case.end_us).src) > 0
+    assert reference.disagreements(case.cols, case.start_us, case.end_us)
 
 
 def row(rank: int, group: str, seq: int, enqueue: int, complete: int, *, op: str = "all_reduce",
@@ -203,21 +205,21 @@ WORKED = [
 def test_a_worked_example() -> None:
     case = Case(cols=columns(WORKED), node_of_rank={0: "a", 1: "a", 2: "b", 3: "b", 4: "c"},
                 start_us=T0, end_us=T0 + 100, window_us=25)
-    ranks = summaries.rank_stats(case.cols, case.start_us, case.end_us)
+    ranks = reference.rank_stats(case.cols, case.start_us, case.end_us)
     assert ranks.rank.tolist() == [0, 1, 2]
     assert ranks.n.tolist() == [2, 2, 1]
     assert ranks.lateness_mean_us.tolist() == [0.0, 1.5, 2.0]
     assert ranks.last_count.tolist() == [0, 2, 1]
     assert ranks.wait_mean_us.tolist() == [10.0, 8.5, 9.0]
     assert ranks.span_us.tolist() == [20, 19, 0]
-    links = summaries.link_stats(case.cols, case.start_us, case.end_us)
+    links = reference.link_stats(case.cols, case.start_us, case.end_us)
     assert (links.src.tolist(), links.dst.tolist(), links.n.tolist()) == ([3], [4], [1])
     assert links.transfer_mean_us.tolist() == links.transfer_max_us.tolist() == [17.0]
-    assert summaries.disagreements(case.cols, case.start_us, case.end_us) == (
+    assert reference.disagreements(case.cols, case.start_us, case.end_us) == (
         Disagreement(group="0", seq=2, ranks=(0, 1, 2), ops=("all_reduce", "broadcast",
                      "all_reduce"), nbytes=(8, 8, 8), dtypes=("float32",) * 3),
     )
-    windows = summaries.node_windows(case.cols, case.node_of_rank, case.start_us, case.end_us,
+    windows = reference.node_windows(case.cols, case.node_of_rank, case.start_us, case.end_us,
                                      case.window_us)
     assert windows.nodes == ("a", "b")
     assert windows.window_start_us.tolist() == [T0, T0 + 25, T0 + 50, T0 + 75]
@@ -228,32 +230,32 @@ def test_a_worked_example() -> None:
 
 def test_an_empty_window_gives_empty_summaries() -> None:
     cols = columns(WORKED)
-    assert len(summaries.rank_stats(cols, T0 + 2000, T0 + 3000).rank) == 0
-    assert len(summaries.link_stats(cols, T0 + 2000, T0 + 3000).src) == 0
-    assert summaries.disagreements(cols, T0, T0) == ()
-    windows = summaries.node_windows(cols, {}, T0 + 2000, T0 + 2010, 3)
+    assert len(reference.rank_stats(cols, T0 + 2000, T0 + 3000).rank) == 0
+    assert len(reference.link_stats(cols, T0 + 2000, T0 + 3000).src) == 0
+    assert reference.disagreements(cols, T0, T0) == ()
+    windows = reference.node_windows(cols, {}, T0 + 2000, T0 + 2010, 3)
     assert windows.nodes == ()
     assert windows.features.shape == (4, 0, 3)
-    assert summaries.node_windows(cols, {}, T0, T0 - 5, 3).features.shape == (0, 0, 3)
+    assert reference.node_windows(cols, {}, T0, T0 - 5, 3).features.shape == (0, 0, 3)
 
 
 def test_node_windows_refuses_a_rank_without_a_node_and_a_bad_width() -> None:
     cols = columns(WORKED)
     with pytest.raises(ValueError, match=r"no node for ranks \[2\]"):
-        summaries.node_windows(cols, {0: "a", 1: "a"}, T0, T0 + 100, 10)
+        reference.node_windows(cols, {0: "a", 1: "a"}, T0, T0 + 100, 10)
     with pytest.raises(ValueError, match="window_us must be positive"):
-        summaries.node_windows(cols, {}, T0, T0 + 100, 0)
+        reference.node_windows(cols, {}, T0, T0 + 100, 0)
 
 
 def test_node_windows_refuses_more_windows_than_it_can_hold() -> None:
     with pytest.raises(ValueError, match="at most 100000 are allowed"):
-        summaries.node_windows(columns(WORKED), {}, 0, 2**62, 1_000)
+        reference.node_windows(columns(WORKED), {}, 0, 2**62, 1_000)
 
 
 def test_a_disagreement_carries_what_its_sibling_groups_ran() -> None:
     ar = "all_reduce"
     rows = SIBLING_EXAMPLE
-    got = summaries.disagreements(columns(rows), T0, T0 + 100)
+    got = reference.disagreements(columns(rows), T0, T0 + 100)
     assert [(d.group, d.seq, d.peer_op, d.peer_nbytes, d.peer_dtype, d.peer_groups)
             for d in got] == [
         ("dp-0", 7, ar, 8, "bf16", 2), ("dp-0", 9, ar, 8, "f32", 1), ("dp-0", 10, "", 0, "", 0),

@@ -32,7 +32,7 @@ from tracehound.tracing.wire import (
     encode_batch,
 )
 
-U64 = st.integers(min_value=0, max_value=2**64 - 1)
+U64 = st.integers(min_value=0, max_value=2**63 - 1)
 I32 = st.integers(min_value=0, max_value=2**31 - 1)
 NAME = st.text(min_size=1, max_size=40)
 MAYBE_EMPTY = st.text(max_size=40)
@@ -44,7 +44,7 @@ group_ids = NAME.map(GroupId)
 
 collectives = st.builds(
     CollectiveEvent, job=jobs, attempt=I32, node=nodes, rank=ranks, group=group_ids,
-    seq=st.integers(min_value=1, max_value=2**64 - 1), op=NAME, nbytes=U64, dtype=MAYBE_EMPTY,
+    seq=st.integers(min_value=1, max_value=2**63 - 1), op=NAME, nbytes=U64, dtype=MAYBE_EMPTY,
     peer=st.integers(min_value=-1, max_value=2**31 - 1), state=st.sampled_from(CollectiveState),
     enqueue_us=U64, complete_us=U64,
 )
@@ -141,7 +141,7 @@ def without(raw: dict[str, Any], name: str) -> dict[str, Any]:
          "field 'state' must be one of completed, failed, got 'exploded'"),
         (changed(good_collective(), type="telemetry"), "field 'type' must be one of"),
         (changed(good_collective(), job=""), "field 'job' must not be empty"),
-        (changed(good_collective(), complete_us=2**64), "field 'complete_us' must be between"),
+        (changed(good_collective(), complete_us=2**63), "field 'complete_us' must be between"),
         ("not an object", "a record must be a JSON object, got str"),
         (changed(good_health(), value="hot"), "field 'value' must be a number, got str"),
         (changed(good_health(), value=True), "field 'value' must be a number, got bool"),

@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tracehound.tracing._sqlstore import Param, Params, Row, SqlTraceStore
 from tracehound.tracing.errors import PermanentStoreError, StoreConfigError
-from tracehound.tracing.schema import Table
-from tracehound.tracing.store import embedded_path
+from tracehound.tracing.store.engine import Row, SqlTraceStore
+from tracehound.tracing.store.schema import Table
+from tracehound.tracing.store.sql import Param, Params
+from tracehound.tracing.store.urls import embedded_path
 
 EMBEDDED_DATABASE = "tracehound"
 

@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from tracehound.tracing.errors import PermanentStoreError, StoreError, TemporaryStoreError
 from tracehound.tracing.events import Batch
-from tracehound.tracing.store import TraceStore
+from tracehound.tracing.store.port import TraceStore
 from tracehound.tracing.wire import InvalidRecord, Rejection, decode_batch, encode_batch
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,16 @@ def _error_text(body: bytes) -> str:
 
 def post_batch(url: str, batch: Batch, *, maybe_duplicate: bool, timeout: float = 5.0
                ) -> IngestResult:
-    """Post a batch to an ingest endpoint (`http://host:port`) and say what it did.
+    """Post a batch to an ingest endpoint (`http://host:port`) and say what it did (see
+    `post_body`)."""
+    return post_body(url, encode_batch(batch), batch.batch_id, maybe_duplicate=maybe_duplicate,
+                     timeout=timeout)
+
+
+def post_body(url: str, body: bytes, batch_id: str, *, maybe_duplicate: bool,
+              timeout: float = 5.0) -> IngestResult:
+    """Post a batch already in its wire form (`body`, as `tracing.wire` writes it) to an ingest
+    endpoint (`http://host:port`) and say what it did.
 
     Raises TemporaryStoreError when the endpoint cannot be reached, times out or answers 503 (or
     another 5xx but 500), with `retry_after` from the answer; PermanentStoreError when it refuses
@@ -225,7 +234,7 @@ def post_batch(url: str, batch: Batch, *, maybe_duplicate: bool, timeout: float 
     if urlsplit(target).scheme not in ("http", "https"):
         raise PermanentStoreError(f"ingest URL {url!r}: expected http://host:port")
     request = urllib.request.Request(  # noqa: S310 (scheme checked above)
-        target, data=encode_batch(batch), method="POST",
+        target, data=body, method="POST",
         headers={"Content-Type": "application/json"},
     )
     try:
@@ -237,7 +246,7 @@ def post_batch(url: str, batch: Batch, *, maybe_duplicate: bool, timeout: float 
         reason = _error_text(body)
         if status == HTTPStatus.INTERNAL_SERVER_ERROR or 400 <= status < 500:
             raise PermanentStoreError(
-                f"ingest endpoint {endpoint} refused batch {batch.batch_id} ({status}): {reason}"
+                f"ingest endpoint {endpoint} refused batch {batch_id} ({status}): {reason}"
             ) from exc
         retry_text = exc.headers.get("Retry-After", "") if exc.headers else ""
         try:

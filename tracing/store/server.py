@@ -20,10 +20,11 @@ import socket
 import threading
 from typing import Any
 
-from tracehound.tracing._sqlstore import Params, Row, SqlTraceStore, to_pyformat
 from tracehound.tracing.errors import PermanentStoreError, StoreError, TemporaryStoreError
-from tracehound.tracing.schema import Table
-from tracehound.tracing.store import mask_url, parse_server_url
+from tracehound.tracing.store.engine import Row, SqlTraceStore
+from tracehound.tracing.store.schema import Table
+from tracehound.tracing.store.sql import Params, to_pyformat
+from tracehound.tracing.store.urls import mask_url, parse_server_url
 
 _TEMPORARY_SERVER_CODES = frozenset({
     159,  # TIMEOUT_EXCEEDED

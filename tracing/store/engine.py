@@ -1,0 +1,361 @@
+"""What both ClickHouse adapters share: the exactly-once insert, reads and summaries over SQL.
+
+An adapter (`store.server`, `store.embedded`) subclasses `SqlTraceStore` and supplies two things:
+run one query with bound parameters and return its rows, and write columns into one table in one
+insert (optionally a faster insert of numpy columns, for bulk collective rows). Everything else
+lives here, so both adapters run the same SQL (`store.sql`) and keep the same semantics, which
+the one contract suite checks against both. Records become rows, and rows records, through their
+kinds' layouts (`tracing.kinds`): nothing here spells out a record's fields.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from tracehound.tracing import kinds, summaries
+from tracehound.tracing.events import (
+    Action,
+    Batch,
+    CollectiveEvent,
+    CollectiveState,
+    HealthSample,
+    Heartbeat,
+    Incident,
+    ProcessGroupInfo,
+    ProcessSample,
+    RankExit,
+    StackSample,
+)
+from tracehound.tracing.ids import JobId
+from tracehound.tracing.kinds import RecordBase
+from tracehound.tracing.store import sql as q
+from tracehound.tracing.store.port import FOREVER_US, CollectiveKey, InsertReport
+from tracehound.tracing.store.schema import (
+    COLLECTIVES,
+    Table,
+    check_identifier,
+    create_statements,
+    table_of,
+    tables,
+)
+from tracehound.tracing.store.sql import Param, Params
+from tracehound.tracing.summaries import (
+    CollectiveColumns,
+    Disagreement,
+    LinkStats,
+    NodeWindows,
+    RankStats,
+)
+
+Row = Sequence[Any]
+
+
+def columns_of(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
+    """Rows transposed into `width` columns."""
+    return [[row[i] for row in rows] for i in range(width)]
+
+
+class SqlTraceStore(abc.ABC):
+    """A TraceStore over ClickHouse SQL; subclasses supply `_query`, `_insert` and `close`.
+
+    Both hooks must be safe to call from several threads (each adapter holds a lock around its
+    client) and must raise only StoreError subclasses."""
+
+    def __init__(self, *, shown_url: str, database: str) -> None:
+        self._shown_url = shown_url
+        self.database = check_identifier(database)
+        self._insert_lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self._shown_url
+
+    # --- what an adapter supplies ---
+
+    @abc.abstractmethod
+    def _query(self, sql: str, params: Params) -> list[Row]:
+        """Run `sql` (with `{name:Type}` placeholders bound to `params`) and return its rows."""
+
+    @abc.abstractmethod
+    def _insert(self, table: Table, columns: list[list[Any]]) -> None:
+        """Write `columns` (one list per column of `table.columns`, in order) in ONE insert."""
+
+    def _insert_arrays(self, table: Table, columns: Sequence[npt.NDArray[Any]]) -> None:
+        """Write 1-d numpy `columns` (in `table.columns` order) in ONE insert. The default goes
+        through `_insert`; an adapter may override it with a faster columnar path."""
+        self._insert(table, [column.tolist() for column in columns])
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # --- shared behaviour ---
+
+    def _sql(self, template: str, *, table: Table | None = None, **names: str) -> str:
+        """`template` with the database, and with `table`'s name, read columns and time column
+        when given (all validated identifiers), and any other `{name}` in `names`."""
+        sql = template.replace("{db}", self.database)
+        if table is not None:
+            names = {"table": table.name, "columns": ", ".join(table.read_columns),
+                     "time": table.time_column, **names}
+        for name, value in names.items():
+            sql = sql.replace("{" + name + "}", value)
+        return sql
+
+    def _read(self, kind: type[RecordBase], template: str, params: Params,
+              **names: str) -> list[Any]:
+        """Records of `kind` read by `template` (which selects `{columns}`)."""
+        layout = kinds.layout(kind)
+        rows = self._query(self._sql(template, table=table_of(kind), **names), params)
+        return [layout.from_row(r) for r in rows]
+
+    def ensure_schema(self) -> None:
+        for statement in create_statements(self.database):
+            self._query(statement, {})
+
+    def insert(self, batch: Batch, *, maybe_duplicate: bool = False) -> InsertReport:
+        inserted = skipped = 0
+        with self._insert_lock:
+            for kind, records in kinds.group_by_kind(batch.records).items():
+                layout = kinds.layout(kind)
+                if not layout.stored.batch:
+                    raise TypeError(f"a batch may not carry {layout.tag!r} records")
+                table = table_of(kind)
+                if maybe_duplicate:
+                    rows = layout.rows(records, batch.batch_id)
+                    todo = self._not_yet_stored(table, batch.batch_id, rows)
+                    columns = columns_of(todo, len(table.columns))
+                else:
+                    todo = records
+                    columns = layout.column_batch(records, batch.batch_id)
+                if todo:
+                    self._insert(table, columns)
+                inserted += len(todo)
+                skipped += len(records) - len(todo)
+        return InsertReport(inserted=inserted, skipped=skipped)
+
+    def _not_yet_stored(
+        self, table: Table, batch_id: str, rows: list[tuple[Any, ...]]
+    ) -> list[tuple[Any, ...]]:
+        """The rows of a retried batch that an earlier try did not store in `table`."""
+        count_rows = self._query(
+            self._sql(q.SQL_BATCH_COUNT, table=table), {"batch_id": batch_id}
+        )
+        stored = int(count_rows[0][0])
+        if stored == 0:
+            return rows
+        if stored == len(rows):
+            return []
+        # Partly there (not expected, as each table's rows go in one insert, but possible if a
+        # batch id was reused): keep the rows whose key is not stored yet, counting duplicates.
+        positions = [table.column_names.index(c) for c in table.key]
+        key_rows = self._query(
+            self._sql(q.SQL_BATCH_KEYS, table=table, key=", ".join(table.key)),
+            {"batch_id": batch_id},
+        )
+        present = Counter(tuple(k) for k in key_rows)
+        todo = []
+        for row in rows:
+            key = tuple(row[p] for p in positions)
+            if present[key] > 0:
+                present[key] -= 1
+            else:
+                todo.append(row)
+        return todo
+
+    def latest_heartbeats(self, job: JobId, attempt: int,
+                          until_us: int = FOREVER_US) -> list[Heartbeat]:
+        return self._read(Heartbeat, q.SQL_LATEST_HEARTBEATS,
+                          {"job": job, "attempt": attempt, "until_us": max(until_us, 0)})
+
+    def exits(self, job: JobId, attempt: int) -> list[RankExit]:
+        return self._read(RankExit, q.SQL_EXITS, {"job": job, "attempt": attempt})
+
+    def groups(self, job: JobId, attempt: int) -> list[ProcessGroupInfo]:
+        found: list[ProcessGroupInfo] = self._read(
+            ProcessGroupInfo, q.SQL_GROUPS, {"job": job, "attempt": attempt})
+        return sorted(found, key=lambda g: (g.time_us, g.group))
+
+    def attempts(self, job: JobId) -> list[int]:
+        sql = self._sql(q.attempts_query(tables(batch=True)))
+        return [int(r[0]) for r in self._query(sql, {"job": job})]
+
+    def jobs(self) -> list[JobId]:
+        return [JobId(r[0]) for r in self._query(self._sql(q.jobs_query(tables())), {})]
+
+    def collective_keys(self, job: JobId) -> list[CollectiveKey]:
+        rows = self._query(self._sql(q.SQL_COLLECTIVE_KEYS), {"job": job})
+        return [
+            CollectiveKey(attempt=int(a), rank=int(r), group=g, seq=int(s)) for a, r, g, s in rows
+        ]
+
+    def collectives(self, job: JobId, attempt: int) -> list[CollectiveEvent]:
+        """Every stored collective row of an attempt, ordered by group, seq, rank."""
+        return self._read(CollectiveEvent, q.SQL_COLLECTIVES, {"job": job, "attempt": attempt})
+
+    def records(self, kind: type[RecordBase], job: JobId) -> list[Any]:
+        """Every stored record of one kind of a job, in time order (incidents without their
+        actions)."""
+        return self._read(kind, q.SQL_RECORDS_OF_JOB, {"job": job})
+
+    def insert_columns(
+        self,
+        job: JobId,
+        attempt: int,
+        cols: CollectiveColumns,
+        node_of_rank: Mapping[int, str],
+        *,
+        batch_id: str,
+    ) -> int:
+        """Write collective rows given as columns in one INSERT (no retry check: see the
+        TraceStore docstring for atomicity); returns the number of rows written."""
+        n = len(cols)
+        for name in ("group", "seq", "op", "nbytes", "dtype", "peer", "completed",
+                     "enqueue_us", "complete_us"):
+            if getattr(cols, name).shape != (n,):
+                raise ValueError(f"column {name!r} has shape {getattr(cols, name).shape}, "
+                                 f"expected ({n},) like 'rank'")
+        if n == 0:
+            return 0
+        for name in ("rank", "seq", "nbytes", "enqueue_us", "complete_us"):
+            if int(getattr(cols, name).min()) < 0:
+                raise ValueError(f"column {name!r} holds negative values")
+        ranks, code = np.unique(cols.rank, return_inverse=True)
+        missing = [int(r) for r in ranks if int(r) not in node_of_rank]
+        if missing:
+            raise ValueError(f"node_of_rank has no node for ranks {missing[:10]}")
+        nodes = np.array([node_of_rank[int(r)] for r in ranks], dtype=np.str_)
+        state = np.where(
+            cols.completed, CollectiveState.COMPLETED.value, CollectiveState.FAILED.value
+        )
+        columns = [
+            np.full(n, np.str_(batch_id)), np.full(n, np.str_(job)),
+            np.full(n, attempt, dtype=np.int64), nodes[code.reshape(-1)], cols.rank, cols.group,
+            cols.seq, cols.op, cols.nbytes, cols.dtype, cols.peer, state, cols.enqueue_us,
+            cols.complete_us,
+        ]
+        self._insert_arrays(COLLECTIVES, columns)
+        return n
+
+    def _window_params(
+        self, job: JobId, attempt: int, start_us: int, end_us: int
+    ) -> dict[str, Param] | None:
+        """The bound values of a summary query's window, or None when the window is empty."""
+        start = max(start_us, 0)
+        if end_us <= start:
+            return None
+        return {**q.SUMMARY_CONSTANTS, "job": job, "attempt": attempt, "start_us": start,
+                "end_us": end_us}
+
+    def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> RankStats:
+        params = self._window_params(job, attempt, start_us, end_us)
+        rows = self._query(self._sql(q.SQL_RANK_STATS), params) if params else []
+        rank, n, lateness, last, wait, span = columns_of(rows, 6)
+        return RankStats(
+            rank=np.array(rank, dtype=np.int64), n=np.array(n, dtype=np.int64),
+            lateness_mean_us=np.array(lateness, dtype=np.float64),
+            last_count=np.array(last, dtype=np.int64),
+            wait_mean_us=np.array(wait, dtype=np.float64),
+            span_us=np.array(span, dtype=np.int64),
+        )
+
+    def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> LinkStats:
+        params = self._window_params(job, attempt, start_us, end_us)
+        rows = self._query(self._sql(q.SQL_LINK_STATS), params) if params else []
+        src, dst, n, mean, most = columns_of(rows, 5)
+        return LinkStats(
+            src=np.array(src, dtype=np.int64), dst=np.array(dst, dtype=np.int64),
+            n=np.array(n, dtype=np.int64), transfer_mean_us=np.array(mean, dtype=np.float64),
+            transfer_max_us=np.array(most, dtype=np.float64),
+        )
+
+    def disagreements(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, limit: int = 100
+    ) -> list[Disagreement]:
+        params = self._window_params(job, attempt, start_us, end_us)
+        if params is None or limit <= 0:
+            return []
+        rows = self._query(self._sql(q.SQL_DISAGREEMENTS), {**params, "limit": limit})
+        return [
+            Disagreement(
+                group=g, seq=int(seq), ranks=tuple(int(r) for r in ranks), ops=tuple(ops),
+                nbytes=tuple(int(b) for b in sizes), dtypes=tuple(dtypes), peer_op=peer_op,
+                peer_nbytes=int(peer_nbytes), peer_dtype=peer_dtype,
+                peer_groups=int(peer_groups),
+            )
+            for g, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups
+            in rows
+        ]
+
+    def node_windows(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, window_us: int
+    ) -> NodeWindows:
+        buckets = summaries.bucket_count(start_us, end_us, window_us)
+        params = self._window_params(job, attempt, start_us, end_us)
+        rows: list[Row] = []
+        if params is not None:
+            params.update(origin_us=start_us, window_us=window_us)
+            rows = self._query(self._sql(q.SQL_NODE_WINDOWS), params)
+        nodes = sorted({str(r[1]) for r in rows})
+        column = {node: i for i, node in enumerate(nodes)}
+        features = np.full((buckets, len(nodes), len(NodeWindows.FEATURES)), np.nan)
+        for bucket, node, lateness, last_fraction, wait in rows:
+            features[int(bucket), column[node]] = (lateness, last_fraction, wait)
+        return NodeWindows(
+            nodes=tuple(nodes),
+            window_start_us=start_us + np.arange(buckets, dtype=np.int64) * window_us,
+            features=features,
+        )
+
+    def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:
+        return self._read(StackSample, q.SQL_LATEST_SINCE,
+                          {"job": job, "attempt": attempt, "since_us": max(since_us, 0)})
+
+    def latest_processes(self, job: JobId, attempt: int, since_us: int) -> list[ProcessSample]:
+        return self._read(ProcessSample, q.SQL_LATEST_SINCE,
+                          {"job": job, "attempt": attempt, "since_us": max(since_us, 0)})
+
+    def health(self, nodes: Sequence[str], start_us: int, end_us: int) -> list[HealthSample]:
+        wanted = sorted(set(nodes))
+        start = max(start_us, 0)
+        if not wanted or end_us <= start:
+            return []
+        params: dict[str, Param] = {"start_us": start, "end_us": end_us}
+        params.update({f"node_{i}": node for i, node in enumerate(wanted)})
+        placeholders = ", ".join(f"{{node_{i}:String}}" for i in range(len(wanted)))
+        return self._read(HealthSample, q.SQL_HEALTH, params, nodes=placeholders)
+
+    def record_incident(self, incident: Incident) -> None:
+        self._insert(table_of(Incident), kinds.layout(Incident).column_batch([incident]))
+
+    def record_action(self, action: Action) -> None:
+        self._insert(table_of(Action), kinds.layout(Action).column_batch([action]))
+
+    def incidents(self, job: JobId | None = None) -> list[Incident]:
+        found: list[Incident]
+        if job is None:
+            found = self._read(Incident, q.SQL_INCIDENTS_ALL, {})
+            action_list: list[Action] = self._read(Action, q.SQL_ACTIONS_ALL, {})
+        else:
+            found = self._read(Incident, q.SQL_INCIDENTS_OF_JOB, {"job": job})
+            action_list = self._read(Action, q.SQL_ACTIONS_OF_JOB, {"job": job})
+        actions: dict[tuple[str, str], list[Action]] = {}
+        for action in action_list:
+            actions.setdefault((action.job, action.incident_id), []).append(action)
+        return [
+            msgspec.structs.replace(i, actions=tuple(actions.get((i.job, i.incident_id), ())))
+            for i in found
+        ]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,33 @@
+"""Opening the store a URL names. Adapters import their client libraries lazily, so importing
+this module costs nothing."""
+
+from __future__ import annotations
+
+from tracehound.tracing.errors import StoreConfigError
+from tracehound.tracing.store.port import TraceStore
+from tracehound.tracing.store.urls import default_store_url, mask_url
+
+
+def open_store(url: str | None = None, *, create: bool = True) -> TraceStore:
+    """Open the store a URL names (the embedded default when None) and make sure its schema exists.
+
+    Raises StoreConfigError for a malformed URL and TemporaryStoreError for a server that does not
+    answer, both naming the URL."""
+    url = url or default_store_url()
+    if url.startswith("clickhouse://"):
+        from tracehound.tracing.store.server import ClickHouseServerStore
+
+        store: TraceStore = ClickHouseServerStore(url)
+    elif url.startswith("chdb://"):
+        from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
+
+        store = EmbeddedClickHouseStore(url)
+    else:
+        scheme = url.split("://", 1)[0] if "://" in url else url
+        raise StoreConfigError(
+            f"store URL {mask_url(url)!r}: unknown scheme {scheme!r}; expected "
+            "clickhouse://user:pass@host:9000/db or chdb:///path/to/dir"
+        )
+    if create:
+        store.ensure_schema()
+    return store

@@ -1,0 +1,202 @@
+"""The trace store ports: what the rest of Tracehound may ask of a store.
+
+`TraceStore` is what the controller, the analysis and the dashboard read and write: batches in,
+the latest state of an attempt and the window summaries out, incidents and actions both ways.
+`BulkStore` adds the paths of tools and tests: the simulator's columnar insert, raw collective
+rows and keys, and every record of a kind (for `tracehound export`).
+
+Two adapters implement both, chosen by URL (`store.factory.open_store`):
+
+- `clickhouse://user:password@host:9000/database`: a ClickHouse server over the native protocol
+  (`store.server`); every node agent can write to it directly.
+- `chdb:///path/to/dir`: ClickHouse embedded in this process (`store.embedded`), the zero-setup
+  default on one machine. Only one process may open a path, so node agents ship their batches to
+  the process that owns it (`store.ingest`) instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from tracehound.tracing.events import (
+    Action,
+    Batch,
+    CollectiveEvent,
+    HealthSample,
+    Heartbeat,
+    Incident,
+    ProcessGroupInfo,
+    ProcessSample,
+    RankExit,
+    StackSample,
+)
+from tracehound.tracing.ids import JobId
+
+FOREVER_US = 2**63 - 1
+"""A time after every record: "no upper bound"."""
+
+if TYPE_CHECKING:  # numpy is imported by the adapters, not by the port
+    from tracehound.tracing.kinds import RecordBase
+    from tracehound.tracing.summaries import (
+        CollectiveColumns,
+        Disagreement,
+        LinkStats,
+        NodeWindows,
+        RankStats,
+    )
+
+@dataclass(frozen=True, slots=True)
+class InsertReport:
+    """What a store did with a batch."""
+
+    inserted: int
+    """Records written now."""
+    skipped: int
+    """Records the store already held from an earlier try of the same batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveKey:
+    """The identity of one rank's part in one collective; unique in a store."""
+
+    attempt: int
+    rank: int
+    group: str
+    seq: int
+
+
+class TraceStore(Protocol):
+    """A place that keeps traces. Implementations must be safe to call from several threads."""
+
+    @property
+    def url(self) -> str:
+        """The store's URL with any password masked, for messages and logs."""
+        ...
+
+    def ensure_schema(self) -> None:
+        """Create the database and tables if they are missing (idempotent)."""
+        ...
+
+    def insert(self, batch: Batch, *, maybe_duplicate: bool = False) -> InsertReport:
+        """Write a batch. With `maybe_duplicate` (a retry whose earlier try may have landed),
+        records the store already holds from this batch id are skipped, so a retried batch is
+        stored exactly once."""
+        ...
+
+    def latest_heartbeats(self, job: JobId, attempt: int,
+                          until_us: int = FOREVER_US) -> list[Heartbeat]:
+        """The newest heartbeat of every rank of an attempt sent at or before `until_us`,
+        ordered by rank."""
+        ...
+
+    def exits(self, job: JobId, attempt: int) -> list[RankExit]:
+        """Every rank exit of an attempt, earliest first."""
+        ...
+
+    def groups(self, job: JobId, attempt: int) -> list[ProcessGroupInfo]:
+        """One entry per process group of an attempt (its members as first reported)."""
+        ...
+
+    def attempts(self, job: JobId) -> list[int]:
+        """The attempts of a job that left any record, ascending."""
+        ...
+
+    def jobs(self) -> list[JobId]:
+        """Every job with records or incidents, sorted."""
+        ...
+
+    def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> RankStats:
+        """Per-rank arrival statistics of the window [start_us, end_us), computed by the store
+        (definitions: `tracing.summaries`)."""
+        ...
+
+    def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> LinkStats:
+        """Per-(src, dst) point-to-point transfer statistics of the window."""
+        ...
+
+    def disagreements(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, limit: int = 100
+    ) -> list[Disagreement]:
+        """The first `limit` collectives of the window, by (group, seq), whose ranks disagree on
+        op, nbytes or dtype."""
+        ...
+
+    def node_windows(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, window_us: int
+    ) -> NodeWindows:
+        """Per-node arrival features in consecutive windows of `window_us` from `start_us`."""
+        ...
+
+    def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:
+        """The newest stack sample of every rank taken at or after `since_us`, ordered by rank."""
+        ...
+
+    def latest_processes(self, job: JobId, attempt: int, since_us: int) -> list[ProcessSample]:
+        """The newest process sample of every rank taken at or after `since_us`, ordered by
+        rank."""
+        ...
+
+    def health(self, nodes: Sequence[str], start_us: int, end_us: int) -> list[HealthSample]:
+        """Health samples of `nodes` in [start_us, end_us), whatever job they name, oldest
+        first."""
+        ...
+
+    def record_incident(self, incident: Incident) -> None:
+        ...
+
+    def record_action(self, action: Action) -> None:
+        ...
+
+    def incidents(self, job: JobId | None = None) -> list[Incident]:
+        """Incidents, oldest first, each with its actions."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class BulkStore(TraceStore, Protocol):
+    """A store's paths for tools and tests; both adapters implement them (see `bulk`)."""
+
+    def collective_keys(self, job: JobId) -> list[CollectiveKey]:
+        """Every stored collective row's key, duplicates included (used to prove no loss and no
+        double storage)."""
+        ...
+
+    def insert_columns(
+        self,
+        job: JobId,
+        attempt: int,
+        cols: CollectiveColumns,
+        node_of_rank: Mapping[int, str],
+        *,
+        batch_id: str,
+    ) -> int:
+        """Write collective rows given as columns (the simulator's bulk path) in ONE insert and
+        return how many were written; each row's node is `node_of_rank[rank]`.
+
+        No retry check is made (unlike `insert(maybe_duplicate=True)`): call it once per
+        `batch_id`. ClickHouse writes an insert block by block (up to 1,048,576 rows each, its
+        `max_insert_block_size`), so a call of up to that many rows is all-or-nothing and a larger
+        one that fails may have stored a prefix (its rows carry `batch_id`). Raises ValueError
+        for columns of unequal length, negative counts or times, or a rank without a node."""
+        ...
+
+    def collectives(self, job: JobId, attempt: int) -> list[CollectiveEvent]:
+        """Every stored collective row of an attempt, ordered by group, seq, rank."""
+        ...
+
+    def records(self, kind: type[RecordBase], job: JobId) -> list[Any]:
+        """Every stored record of one kind of a job (any registered kind), oldest first; for
+        incidents, without their actions (those are records of their own)."""
+        ...
+
+
+def bulk(store: TraceStore) -> BulkStore:
+    """`store` as a BulkStore; TypeError naming the store if it has no bulk paths."""
+    if not isinstance(store, BulkStore):
+        raise TypeError(f"store {store.url} has no bulk paths (insert_columns, records)")
+    return store

@@ -1,0 +1,126 @@
+"""The ClickHouse schema of a trace store: one table per record kind, one CREATE statement each,
+derived from the kinds' declarations (`tracing.events`, `tracing.kinds`).
+
+The same statements run on Debian's ClickHouse 18.16 server and on the embedded engine (chdb 4.4,
+ClickHouse 26.x), so they keep to the subset both understand: no DateTime64, Map, JSON, TTL,
+CODEC or LowCardinality. Sub-second times are UInt64 microseconds; the `ts` column exists only to
+partition by day (retention is `ALTER TABLE ... DROP PARTITION`). Tables of batch records carry
+the `batch_id` they arrived in, which is how a retried batch is recognised.
+
+This module only describes tables. It must never run a query or hold a connection, and it must
+never put a value into SQL text: the only names it formats into statements are validated
+identifiers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tracehound.tracing import kinds
+from tracehound.tracing.errors import StoreConfigError
+from tracehound.tracing.events import (
+    Action,
+    CollectiveEvent,
+    HealthSample,
+    Heartbeat,
+    Incident,
+    ProcessGroupInfo,
+    ProcessSample,
+    RankExit,
+    StackSample,
+)
+from tracehound.tracing.kinds import Column, RecordBase
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+def check_identifier(name: str) -> str:
+    """`name` if it is a plain ClickHouse identifier (letters, digits, _), else StoreConfigError."""
+    if not _IDENTIFIER.fullmatch(name):
+        raise StoreConfigError(
+            f"{name!r} is not a usable database or table name: expected letters, digits and _, "
+            "not starting with a digit"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """One table: the columns an insert writes (in order), and how it is stored. Derived from a
+    record kind's declaration (`table_of`)."""
+
+    name: str
+    columns: tuple[Column, ...]
+    time_column: str
+    """The microsecond column the `ts` partition column is computed from."""
+    order_by: tuple[str, ...]
+    engine: str = "MergeTree"
+    key: tuple[str, ...] = ()
+    """Columns that identify a row within one batch (batch kinds only): a retried batch's rows
+    whose key is already stored under the same batch_id are not written again."""
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def read_columns(self) -> tuple[str, ...]:
+        """The columns a record is read back from, in order: the table's, minus batch_id."""
+        return tuple(name for name in self.column_names if name != "batch_id")
+
+    def create_statement(self, database: str) -> str:
+        """The CREATE TABLE IF NOT EXISTS statement of this table in `database`."""
+        check_identifier(database)
+        check_identifier(self.name)
+        for c in self.columns:
+            check_identifier(c.name)
+            if not _TYPE.fullmatch(c.type):
+                raise StoreConfigError(f"column {self.name}.{c.name}: unsupported type {c.type!r}")
+        columns = ",\n".join(f"    {c.name} {c.type}" for c in self.columns)
+        return (
+            f"CREATE TABLE IF NOT EXISTS {database}.{self.name} (\n{columns},\n"
+            f"    ts DateTime('UTC') DEFAULT toDateTime(intDiv({self.time_column}, 1000000), 'UTC')"
+            f"\n) ENGINE = {self.engine}\n"
+            "PARTITION BY toYYYYMMDD(ts)\n"
+            f"ORDER BY ({', '.join(self.order_by)})"
+        )
+
+
+_TYPE = re.compile(r"(Array\()*(String|UInt8|UInt32|UInt64|Int32|Int64|Float64)\)*")
+"""The column types both ClickHouse 18.16 and chdb take (no DateTime64, Map, JSON or
+LowCardinality)."""
+
+
+def table_of(kind: type[RecordBase]) -> Table:
+    """The table a registered record kind is kept in."""
+    layout = kinds.layout(kind)
+    stored = layout.stored
+    return Table(
+        name=stored.table, columns=layout.columns, time_column=stored.time,
+        order_by=stored.order_by, engine=stored.engine, key=stored.key,
+    )
+
+
+def tables(*, batch: bool | None = None) -> tuple[Table, ...]:
+    """The tables of every registered kind (of batch kinds only, or of the others)."""
+    return tuple(table_of(x.kind) for x in kinds.layouts(batch=batch))
+
+
+COLLECTIVES = table_of(CollectiveEvent)
+HEARTBEATS = table_of(Heartbeat)
+PROCESS_GROUPS = table_of(ProcessGroupInfo)
+RANK_EXITS = table_of(RankExit)
+HEALTH = table_of(HealthSample)
+STACKS = table_of(StackSample)
+PROCESSES = table_of(ProcessSample)
+INCIDENTS = table_of(Incident)
+ACTIONS = table_of(Action)
+
+
+def create_statements(database: str) -> list[str]:
+    """Every statement that creates the store in `database`, in order; each is idempotent."""
+    check_identifier(database)
+    return [f"CREATE DATABASE IF NOT EXISTS {database}"] + [
+        t.create_statement(database) for t in tables()
+    ]

@@ -1,0 +1,280 @@
+"""The SQL texts both ClickHouse adapters run, and the placeholder syntax they share.
+
+Texts are written once with `{name:Type}` placeholders; an adapter translates the placeholder
+*syntax* for its client (never the values). Nothing here may format a value into SQL: the only
+names formatted into texts are the validated database name and the schema's table and column
+names. The window summaries are computed here per the definitions in `tracing.summaries`, so
+only per-rank, per-link or per-node rows come back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from tracehound.tracing import summaries
+from tracehound.tracing.events import CollectiveState
+from tracehound.tracing.store.schema import (
+    ACTIONS,
+    COLLECTIVES,
+    HEALTH,
+    HEARTBEATS,
+    INCIDENTS,
+    PROCESS_GROUPS,
+    PROCESSES,
+    RANK_EXITS,
+    STACKS,
+    Table,
+    check_identifier,
+)
+
+Param = str | int | float
+Params = Mapping[str, Param]
+
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*):([A-Za-z0-9_(), ]+)\}")
+"""A bound value in the shared SQL texts: `{job:String}`."""
+
+
+def to_pyformat(sql: str) -> str:
+    """`sql` with `{name:Type}` placeholders as `%(name)s` (clickhouse-driver's client-side
+    binding), and literal % doubled so the driver's %-substitution leaves them alone."""
+    return PLACEHOLDER.sub(lambda m: f"%({m.group(1)})s", sql.replace("%", "%%"))
+
+
+# Written out in full, in the subset both ClickHouse 18.16 and chdb run. `{db}` (and `{table}`,
+# `{key}`, `{time}`) are replaced by validated schema identifiers; `{columns}` by the table's
+# read columns (its columns minus batch_id, in declaration order); `{name:Type}` are bound
+# values.
+
+SQL_LATEST_HEARTBEATS = """
+SELECT {columns}
+FROM {db}.heartbeats
+WHERE job = {job:String} AND attempt = {attempt:UInt32} AND time_us <= {until_us:UInt64}
+ORDER BY rank, time_us DESC
+LIMIT 1 BY rank
+"""
+
+SQL_EXITS = """
+SELECT {columns}
+FROM {db}.rank_exits
+WHERE job = {job:String} AND attempt = {attempt:UInt32}
+ORDER BY time_us, rank
+"""
+
+SQL_GROUPS = """
+SELECT {columns}
+FROM {db}.process_groups
+WHERE job = {job:String} AND attempt = {attempt:UInt32}
+ORDER BY group_id, time_us, rank
+LIMIT 1 BY group_id
+"""
+
+SQL_COLLECTIVES = """
+SELECT {columns}
+FROM {db}.collectives
+WHERE job = {job:String} AND attempt = {attempt:UInt32}
+ORDER BY group_id, seq, rank
+"""
+
+SQL_COLLECTIVE_KEYS = """
+SELECT attempt, rank, group_id, seq
+FROM {db}.collectives
+WHERE job = {job:String}
+ORDER BY attempt, group_id, seq, rank
+"""
+
+_SELECT_INCIDENTS = """
+SELECT {columns}
+FROM {db}.incidents
+"""
+# LIMIT 1 BY: an incident recorded twice (a retried record_incident) is read back once.
+_INCIDENTS_ORDER = """
+ORDER BY detected_at_us, incident_id
+LIMIT 1 BY job, incident_id
+"""
+SQL_INCIDENTS_ALL = _SELECT_INCIDENTS + _INCIDENTS_ORDER
+SQL_INCIDENTS_OF_JOB = _SELECT_INCIDENTS + "WHERE job = {job:String}" + _INCIDENTS_ORDER
+
+_SELECT_ACTIONS = """
+SELECT {columns}
+FROM {db}.actions
+"""
+SQL_ACTIONS_ALL = _SELECT_ACTIONS + "ORDER BY time_us"
+SQL_ACTIONS_OF_JOB = _SELECT_ACTIONS + "WHERE job = {job:String} ORDER BY time_us"
+
+SQL_LATEST_SINCE = """
+SELECT {columns}
+FROM {db}.{table}
+WHERE job = {job:String} AND attempt = {attempt:UInt32} AND time_us >= {since_us:UInt64}
+ORDER BY rank, time_us DESC
+LIMIT 1 BY rank
+"""
+
+# `{nodes}` becomes one `{node_<i>:String}` placeholder per node asked about.
+SQL_HEALTH = """
+SELECT {columns}
+FROM {db}.health
+WHERE node IN ({nodes}) AND time_us >= {start_us:UInt64} AND time_us < {end_us:UInt64}
+ORDER BY time_us, node, device, metric, source, job
+"""
+
+# --- window summaries (definitions: tracing/summaries.py) ---
+# Each reads one job/attempt window [start_us, end_us) without FINAL: the exactly-once insert
+# path keeps a row from being stored twice. Differences of times are taken as Int64 so they never
+# wrap. RANK_STATS and NODE_WINDOWS share one subquery: per (group, seq) of the collective rows
+# that count (completed, not p2p, members >= 2), the first and last arrival and the members' rows
+# as parallel arrays, which ARRAY JOIN turns back into rows (no self-join needed).
+
+_ARRIVALS = """(
+    SELECT min(enqueue_us) AS first_us, max(enqueue_us) AS last_us,
+           groupArray(MEMBER) AS members, groupArray(enqueue_us) AS enqueues,
+           groupArray(complete_us) AS completes
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND state = {completed:String} AND position(group_id, {p2p:String}) = 0
+    GROUP BY group_id, seq
+    HAVING count() >= 2
+)"""
+"""Per (group, seq) of the collective rows that count: first and last arrival, and each member's
+MEMBER (rank or node), arrival and completion as parallel arrays."""
+
+SQL_RANK_STATS = """
+SELECT rank, count() AS n, avg(toInt64(enqueue) - toInt64(first_us)) AS lateness_mean_us,
+       countIf(enqueue = last_us) AS last_count,
+       avg(toInt64(complete) - toInt64(enqueue)) AS wait_mean_us,
+       toInt64(max(enqueue)) - toInt64(min(enqueue)) AS span_us
+FROM """ + _ARRIVALS.replace("MEMBER", "rank") + """
+ARRAY JOIN members AS rank, enqueues AS enqueue, completes AS complete
+GROUP BY rank
+ORDER BY rank
+"""
+
+SQL_NODE_WINDOWS = """
+SELECT intDiv(toInt64(enqueue) - {origin_us:Int64}, {window_us:Int64}) AS bucket, node,
+       avg(toInt64(enqueue) - toInt64(first_us)) AS lateness_mean_us,
+       countIf(enqueue = last_us) / count() AS last_fraction,
+       avg(toInt64(complete) - toInt64(enqueue)) AS wait_mean_us
+FROM """ + _ARRIVALS.replace("MEMBER", "node") + """
+ARRAY JOIN members AS node, enqueues AS enqueue, completes AS complete
+GROUP BY bucket, node
+ORDER BY bucket, node
+"""
+
+SQL_LINK_STATS = """
+SELECT src, dst, count() AS n, avg(transfer_us) AS transfer_mean_us,
+       max(transfer_us) AS transfer_max_us
+FROM (
+    SELECT anyIf(rank, op IN ({send_op:String}, {isend_op:String})) AS src,
+           anyIf(rank, op IN ({recv_op:String}, {irecv_op:String})) AS dst,
+           toInt64(max(complete_us)) - toInt64(max(enqueue_us)) AS transfer_us
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND position(group_id, {p2p:String}) > 0
+      AND op IN ({send_op:String}, {isend_op:String}, {recv_op:String}, {irecv_op:String})
+    GROUP BY group_id, seq
+    HAVING count() = 2 AND countIf(op IN ({send_op:String}, {isend_op:String})) = 1
+       AND countIf(state = {completed:String}) = 2
+)
+GROUP BY src, dst
+ORDER BY src, dst
+"""
+
+# DISAGREEMENTS: the first `limit` disagreeing (group, seq), LEFT JOINed on (seq, members) with
+# the siblings' reference: per (seq, members, key) the number of agreeing (group, seq), the top
+# key per (seq, members) by LIMIT 1 BY (so ANY and ALL join alike). Without a sibling the LEFT
+# JOIN gives the column defaults '' and 0 (join_use_nulls stays off on both engines).
+SQL_DISAGREEMENTS = """
+SELECT group_id, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups
+FROM (
+    SELECT group_id, seq, count() AS members, arraySort(groupArray(rank)) AS ranks,
+           arraySort((x, r) -> r, groupArray(op), groupArray(rank)) AS ops,
+           arraySort((x, r) -> r, groupArray(nbytes), groupArray(rank)) AS sizes,
+           arraySort((x, r) -> r, groupArray(dtype), groupArray(rank)) AS dtypes
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND position(group_id, {p2p:String}) = 0
+    GROUP BY group_id, seq
+    HAVING uniqExact(op) > 1 OR uniqExact(nbytes) > 1 OR uniqExact(dtype) > 1
+    ORDER BY group_id, seq
+    LIMIT {limit:UInt64}
+) AS disagreeing
+ANY LEFT JOIN (
+    SELECT seq, members, peer_op, peer_nbytes, peer_dtype, count() AS peer_groups
+    FROM (
+        SELECT seq, count() AS members, any(op) AS peer_op, any(nbytes) AS peer_nbytes,
+               any(dtype) AS peer_dtype
+        FROM {db}.collectives
+        WHERE job = {job:String} AND attempt = {attempt:UInt32}
+          AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+          AND position(group_id, {p2p:String}) = 0
+        GROUP BY group_id, seq
+        HAVING uniqExact(op) = 1 AND uniqExact(nbytes) = 1 AND uniqExact(dtype) = 1
+    )
+    GROUP BY seq, members, peer_op, peer_nbytes, peer_dtype
+    ORDER BY seq, members, peer_groups DESC, peer_op, peer_nbytes, peer_dtype
+    LIMIT 1 BY seq, members
+) AS siblings USING (seq, members)
+ORDER BY group_id, seq
+"""
+
+SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGREEMENTS)
+"""The window summary texts (the schema tests check them for the portable subset)."""
+
+SUMMARY_CONSTANTS: dict[str, Param] = {
+    "p2p": summaries.P2P_MARK,
+    "completed": CollectiveState.COMPLETED.value,
+    "send_op": summaries.SEND_OPS[0],
+    "isend_op": summaries.SEND_OPS[1],
+    "recv_op": summaries.RECV_OPS[0],
+    "irecv_op": summaries.RECV_OPS[1],
+}
+"""The fixed values the summary queries compare with, bound like any other value."""
+
+SQL_BATCH_COUNT = "SELECT count() FROM {db}.{table} WHERE batch_id = {batch_id:String}"
+SQL_BATCH_KEYS = "SELECT {key} FROM {db}.{table} WHERE batch_id = {batch_id:String}"
+
+SQL_RECORDS_OF_JOB = """
+SELECT {columns}
+FROM {db}.{table}
+WHERE job = {job:String}
+ORDER BY {time}
+"""
+
+READ_QUERIES: dict[str, tuple[Table, str]] = {
+    "records": (COLLECTIVES, SQL_RECORDS_OF_JOB),
+    "latest_heartbeats": (HEARTBEATS, SQL_LATEST_HEARTBEATS),
+    "exits": (RANK_EXITS, SQL_EXITS),
+    "groups": (PROCESS_GROUPS, SQL_GROUPS),
+    "collectives": (COLLECTIVES, SQL_COLLECTIVES),
+    "incidents": (INCIDENTS, SQL_INCIDENTS_ALL),
+    "actions": (ACTIONS, SQL_ACTIONS_ALL),
+    "latest_stacks": (STACKS, SQL_LATEST_SINCE),
+    "latest_processes": (PROCESSES, SQL_LATEST_SINCE),
+    "health": (HEALTH, SQL_HEALTH),
+}
+"""The queries that read whole records back, with their table (checked against the schema)."""
+
+
+def attempts_query(tables: tuple[Table, ...]) -> str:
+    """The attempts of `{job:String}` that left a record in any of `tables` (those with an
+    attempt column), ascending."""
+    parts = [  # table names are checked identifiers, never values
+        f"SELECT DISTINCT attempt FROM {{db}}.{check_identifier(t.name)} "  # noqa: S608
+        "WHERE job = {job:String}"
+        for t in tables if "attempt" in t.column_names and "job" in t.column_names
+    ]
+    union = "\n    UNION ALL ".join(parts)
+    return f"SELECT DISTINCT attempt FROM (\n    {union}\n)\nORDER BY attempt"  # noqa: S608
+
+
+def jobs_query(tables: tuple[Table, ...]) -> str:
+    """Every job named in any of `tables` (a node-wide health reading's "" is not a job)."""
+    parts = [  # table names are checked identifiers, never values
+        f"SELECT DISTINCT job FROM {{db}}.{check_identifier(t.name)} WHERE job != ''"  # noqa: S608
+        for t in tables if "job" in t.column_names
+    ]
+    union = "\n    UNION ALL ".join(parts)
+    return f"SELECT DISTINCT job FROM (\n    {union}\n)\nORDER BY job"  # noqa: S608
