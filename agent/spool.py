@@ -1,23 +1,25 @@
 """The node agent's durable spool and the shipper that empties it into the trace store.
 
-Records received from ranks are appended (as their validated wire JSON, one per line) to an open
-segment file; a segment is sealed (fsync, rename `.open` -> `.seg`, fsync of the directory) every
-~0.2 s or every N records. The shipper sends sealed segments in order, one `Batch` per segment,
-with a batch id that is stable across retries and restarts: `<node>/<spool-id>/<segment>`, where
-the spool id is created once and kept in the spool directory. Before a segment is sent an
-in-flight marker is written; a segment is deleted only after the sink accepted it. A segment that
-might already have landed (an earlier try failed, or its in-flight marker was found at startup)
-is sent with `maybe_duplicate=True`, so the store keeps it exactly once.
+Records received from ranks are appended (as their validated wire JSON, one per line, exactly as
+the rank sent it) to an open segment file; a segment is sealed (fsync, rename `.open` -> `.seg`,
+fsync of the directory) every ~0.2 s or every N records. The shipper sends sealed segments in
+order, one batch per segment, with a batch id that is stable across retries and restarts:
+`<node>/<spool-id>/<segment>`, where the spool id is created once and kept in the spool
+directory. Before a segment is sent an in-flight marker is written; a segment is deleted only
+after the sink accepted it. A segment that might already have landed (an earlier try failed, or
+its in-flight marker was found at startup) is sent with `maybe_duplicate=True`, so the store
+keeps it exactly once.
 
-A store outage must lose nothing: the shipper retries with backoff while the spool keeps growing
-on disk. A batch the sink refuses for good is moved to `rejected/` (kept for a human, not retried).
+A store outage must lose nothing: the shipper retries with backoff (`tracing.retry`: 0.2 s,
+doubling, at most 10 s, longer if the sink says `retry_after`) while the spool keeps growing on
+disk. A batch the sink refuses for good is moved to `rejected/` (kept for a human, not retried).
 Nothing here may raise out of the shipper thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import json
 import logging
 import os
 import threading
@@ -28,10 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
+
 from tracehound.tracing.errors import PermanentStoreError, StoreError, TemporaryStoreError
-from tracehound.tracing.events import Batch, Record
+from tracehound.tracing.retry import Backoff, BackoffState
 from tracehound.tracing.store import TraceStore
-from tracehound.tracing.wire import InvalidRecord, decode
+from tracehound.tracing.wire import DecodedBatch, batch_of_lines, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +43,35 @@ SPOOL_ID_FILE = "spool-id"
 _OPEN, _SEALED, _INFLIGHT = ".open", ".seg", ".inflight"
 
 
-class BatchSink(Protocol):
-    """Where sealed segments go. Raises TemporaryStoreError (retry) or PermanentStoreError."""
+class SpooledBatch:
+    """A sealed segment as a batch: its id and its lines, still the JSON the ranks sent. The
+    lines were validated when the node agent received them; they travel as they are and are
+    decoded once, where they are stored (`records`, or by the ingest endpoint)."""
 
-    def send(self, batch: Batch, *, maybe_duplicate: bool) -> None: ...
+    def __init__(self, batch_id: str, lines: tuple[bytes, ...]) -> None:
+        self.batch_id = batch_id
+        self.lines = lines
+        self._decoded: DecodedBatch | None = None
+
+    def body(self) -> bytes:
+        """The batch's wire JSON (`tracing.wire` batch form)."""
+        return batch_of_lines(self.batch_id, self.lines)
+
+    def decoded(self) -> DecodedBatch:
+        if self._decoded is None:
+            self._decoded = decode_batch(self.body())
+        return self._decoded
+
+    @property
+    def records(self) -> tuple[Any, ...]:
+        return self.decoded().batch.records
+
+
+class BatchSink(Protocol):
+    """Where sealed segments go. Raises TemporaryStoreError (retry) or PermanentStoreError;
+    may return how many records the receiver could not read (counted as corrupt lines)."""
+
+    def send(self, batch: SpooledBatch, *, maybe_duplicate: bool) -> int | None: ...
 
 
 class StoreSink:
@@ -64,8 +93,13 @@ class StoreSink:
             raise TemporaryStoreError("no store")
         return self._store
 
-    def send(self, batch: Batch, *, maybe_duplicate: bool) -> None:
-        self._open().insert(batch, maybe_duplicate=maybe_duplicate)
+    def send(self, batch: SpooledBatch, *, maybe_duplicate: bool) -> int:
+        decoded = batch.decoded()
+        if decoded.rejected:
+            log.warning("batch %s: %d unreadable records not stored (first: %s)",
+                        batch.batch_id, len(decoded.rejected), decoded.rejected[0].reason)
+        self._open().insert(decoded.batch, maybe_duplicate=maybe_duplicate)
+        return len(decoded.rejected)
 
     def close(self) -> None:
         if self._store is not None:
@@ -79,16 +113,18 @@ class HttpSink:
         self.url = url
         self.timeout = timeout
 
-    def send(self, batch: Batch, *, maybe_duplicate: bool) -> None:
-        from tracehound.tracing.ingest import post_batch
+    def send(self, batch: SpooledBatch, *, maybe_duplicate: bool) -> int:
+        from tracehound.tracing.store.ingest import post_body
 
-        result: Any = post_batch(
-            self.url, batch, maybe_duplicate=maybe_duplicate, timeout=self.timeout
+        result: Any = post_body(
+            self.url, batch.body(), batch.batch_id, maybe_duplicate=maybe_duplicate,
+            timeout=self.timeout,
         )
         rejected = getattr(result, "rejected", ())
         if rejected:
             log.warning("batch %s: the store rejected %d records (first: %s)",
                         batch.batch_id, len(rejected), rejected[0])
+        return len(rejected)
 
 
 @dataclass
@@ -107,7 +143,8 @@ class SpoolStats:
     refused_batches: int = 0
     """Batches the sink refused for good (moved to rejected/)."""
     corrupt_lines: int = 0
-    """Lines of sealed segments that could not be read back (a torn write before a crash)."""
+    """Lines of sealed segments that could not be read back (a torn write before a crash) or
+    that the receiver could not decode."""
     pending_segments: int = 0
 
 
@@ -235,19 +272,24 @@ class Spool:
         numbers = (self._number(p) for p in self.directory.glob(f"seg-*{_SEALED}"))
         return sorted(n for n in numbers if n is not None)
 
-    def read(self, number: int) -> Batch:
-        """The batch a sealed segment holds (lines that cannot be read back are counted)."""
-        records: list[Record] = []
+    def read(self, number: int) -> SpooledBatch:
+        """The batch a sealed segment holds, its lines undecoded. A line that is not whole JSON
+        (a write torn by a crash) is counted and skipped: checking that costs a scan, not a
+        decode."""
+        lines: list[bytes] = []
         with open(self.path(number, _SEALED), "rb") as handle:
-            for line in handle:
-                if not line.strip():
+            for raw in handle:
+                line = raw.strip()
+                if not line:
                     continue
                 try:
-                    records.append(decode(json.loads(line)))
-                except (ValueError, InvalidRecord) as exc:
+                    msgspec.json.decode(line, type=msgspec.Raw)
+                except msgspec.DecodeError as exc:
                     self.stats.corrupt_lines += 1
                     log.warning("segment %d: unreadable line skipped: %s", number, exc)
-        return Batch(batch_id=self.batch_id(number), records=tuple(records))
+                    continue
+                lines.append(line)
+        return SpooledBatch(self.batch_id(number), tuple(lines))
 
     def in_flight(self, number: int) -> bool:
         return self.path(number, _INFLIGHT).exists()
@@ -295,13 +337,38 @@ class Shipper:
     ) -> None:
         self.spool = spool
         self.sink = sink
-        self.min_backoff_s = min_backoff_s
-        self.max_backoff_s = max_backoff_s
+        self._backoff = BackoffState(Backoff(initial_s=min_backoff_s, maximum_s=max_backoff_s))
         self.backoff_s = 0.0
         """How long to wait before the next try (0 after a success)."""
         self._tried: set[int] = set()
         """Segments with a failed try in this process: they may already have landed."""
         self._lock = threading.Lock()
+
+    @property
+    def min_backoff_s(self) -> float:
+        """Wait after the first failed try (the retry policy's `initial_s`)."""
+        return self._backoff.policy.initial_s
+
+    @min_backoff_s.setter
+    def min_backoff_s(self, value: float) -> None:
+        self._backoff.policy = dataclasses.replace(self._backoff.policy, initial_s=value)
+
+    @property
+    def max_backoff_s(self) -> float:
+        """Longest wait between tries (the retry policy's `maximum_s`)."""
+        return self._backoff.policy.maximum_s
+
+    @max_backoff_s.setter
+    def max_backoff_s(self, value: float) -> None:
+        self._backoff.policy = dataclasses.replace(self._backoff.policy, maximum_s=value)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Count a failed try; `backoff_s` becomes the wait before the next one."""
+        self.backoff_s = self._backoff.failed(exc)
+
+    def _succeeded(self) -> None:
+        self._backoff.succeeded()
+        self.backoff_s = 0.0
 
     def ship_once(self) -> ShipResult:
         """Try to ship the oldest sealed segment (one caller at a time)."""
@@ -319,8 +386,9 @@ class Shipper:
             batch = spool.read(number)
             if not maybe_duplicate:
                 spool.mark_in_flight(number)
-            if batch.records:
-                self.sink.send(batch, maybe_duplicate=maybe_duplicate)
+            if batch.lines:
+                unreadable = self.sink.send(batch, maybe_duplicate=maybe_duplicate)
+                spool.stats.corrupt_lines += unreadable or 0
         except PermanentStoreError as exc:
             target = spool.set_aside(number)
             spool.stats.refused_batches += 1
@@ -331,17 +399,14 @@ class Shipper:
         except (TemporaryStoreError, StoreError, OSError, Exception) as exc:
             self._tried.add(number)
             spool.stats.retries += 1
-            retry_after = getattr(exc, "retry_after", 0.0)
-            self.backoff_s = min(
-                self.max_backoff_s, max(self.min_backoff_s, self.backoff_s * 2, retry_after)
-            )
+            self._failed(exc)
             log.warning("batch %s not shipped (%d pending segments), retrying in %.1fs: %s",
                         spool.batch_id(number), spool.stats.pending_segments, self.backoff_s, exc)
             return ShipResult.RETRY
         spool.remove(number)
         self._tried.discard(number)
-        self.backoff_s = 0.0
-        spool.stats.shipped += len(batch.records)
+        self._succeeded()
+        spool.stats.shipped += len(batch.lines)
         spool.stats.shipped_batches += 1
         return ShipResult.SHIPPED
 
@@ -354,7 +419,7 @@ class Shipper:
             except Exception as exc:
                 log.exception("shipper error: %r", exc)
                 result = ShipResult.RETRY
-                self.backoff_s = max(self.backoff_s, self.min_backoff_s)
+                self._failed(exc)
             if result is ShipResult.RETRY:
                 stop.wait(self.backoff_s)
             elif result is ShipResult.IDLE:

@@ -1,9 +1,10 @@
 """Rank -> node agent transport: a bounded queue drained by a daemon thread onto a unix socket.
 
 The training thread only appends to a deque (`offer`); a daemon thread turns the items into
-records, encodes them with `tracing.wire.encode` as newline-delimited JSON and writes them to the
-node agent's socket, reconnecting with backoff while the agent is not (yet) there. Records stay
-buffered up to the bound while disconnected; beyond it they are dropped and counted.
+records, encodes them with `tracing.wire.encode_line` as newline-delimited JSON and writes them
+to the node agent's socket, reconnecting with backoff (`tracing.retry`: 0.05 s, doubling, at most
+`max_backoff_s`) while the agent is not (yet) there. Records stay buffered up to the bound while
+disconnected; beyond it they are dropped and counted.
 
 It must never block or raise into the training thread: `offer` is a length check and an append.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import socket
 import threading
@@ -20,11 +20,15 @@ import time
 
 from tracehound.agent.recorder import Pending, materialize
 from tracehound.tracing import wire
+from tracehound.tracing.retry import Backoff, BackoffState
+from tracehound.tracing.settings import DEFAULT_BUFFER_RECORDS
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 512
 """Items encoded and written per socket write."""
+_FIRST_RECONNECT_S = 0.05
+"""Wait after the first failed connection; it doubles up to `max_backoff_s`."""
 
 
 class SocketTransport:
@@ -34,7 +38,7 @@ class SocketTransport:
         self,
         path: str,
         *,
-        bound: int = 65536,
+        bound: int = DEFAULT_BUFFER_RECORDS,
         poll_s: float = 0.05,
         max_backoff_s: float = 1.0,
     ) -> None:
@@ -120,21 +124,25 @@ class SocketTransport:
         return sock
 
     def _encode(self, count: int) -> bytes:
-        lines: list[str] = []
+        lines: list[bytes] = []
         for _ in range(count):
             try:
                 item = self._queue.popleft()
             except IndexError:
                 break
             try:
-                lines.append(json.dumps(wire.encode(materialize(item)), separators=(",", ":")))
+                lines.append(wire.encode_line(materialize(item)))
             except Exception as exc:
                 self.dropped += 1
                 log.warning("tracehound transport could not encode %r: %r", item, exc)
-        return ("\n".join(lines) + "\n").encode() if lines else b""
+        return b"\n".join(lines) + b"\n" if lines else b""
+
+    def _reconnect_policy(self) -> Backoff:
+        """Waits between connection attempts while the node agent is not there."""
+        return Backoff(initial_s=_FIRST_RECONNECT_S, maximum_s=self.max_backoff_s)
 
     def _run(self) -> None:
-        backoff = 0.05
+        backoff = BackoffState(self._reconnect_policy())
         while True:
             try:
                 if self._sock is None:
@@ -142,11 +150,10 @@ class SocketTransport:
                     if self._sock is None:
                         if self._stop:
                             return
-                        self._wake.wait(backoff)
+                        self._wake.wait(backoff.failed())
                         self._wake.clear()
-                        backoff = min(backoff * 2, self.max_backoff_s)
                         continue
-                    backoff = 0.05
+                    backoff.succeeded()
                 if not self._unsent:
                     self._unsent = self._encode(_CHUNK)
                 if self._unsent:

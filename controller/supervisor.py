@@ -6,12 +6,16 @@ the policy's plan (stop, isolate, restart or give up) is carried out through the
 and each action is recorded with its outcome. Training scripts resume from their latest complete
 checkpoint on their own (see `tracehound.agent.checkpoint`).
 
+Exits, incidents and actions go through the supervisor's journal (`controller.journal`): each is
+made durable on local disk first and written to the store exactly once, when the store answers.
+A store outage of any length loses none of them and never holds up acting on the job; what is
+still pending when a run ends is written by the next supervisor on the same journal.
+
 Time and sleep are injected, so the loop can be driven step by step in tests.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -26,6 +30,7 @@ from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import load_observation
 from tracehound.analysis.snapshot import JobSnapshot, snapshot_to_json
 from tracehound.analysis.verdict import Fact, Verdict
+from tracehound.controller.journal import JOURNAL_FILE, STORE_RETRY, Journal, Outbox
 from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes, Orchestrator
 from tracehound.controller.policy import (
     SOFT_KINDS,
@@ -35,9 +40,10 @@ from tracehound.controller.policy import (
     plan_recovery,
 )
 from tracehound.tracing.errors import TemporaryStoreError
-from tracehound.tracing.events import Action, ActionKind, Batch, Incident, RankExit, now_us
+from tracehound.tracing.events import Action, ActionKind, Incident, RankExit, now_us
 from tracehound.tracing.ids import JobId, NodeId
 from tracehound.tracing.logs import JobLogger
+from tracehound.tracing.retry import Backoff
 from tracehound.tracing.store import TraceStore
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,11 @@ class SupervisorSettings:
     """Length of the detection window of collective summaries (stragglers, links, mismatches)."""
     summaries_every_s: float = 2.0
     """How often the window summaries are computed; crashes and hangs are checked every poll."""
+    store_retry: Backoff = STORE_RETRY
+    """Waits between tries of journaled records while the store is away (tried at the polls)."""
+    journal_drain_s: float = 10.0
+    """How long the end of a run waits for the store to take what is still journaled; the rest
+    is written by the next supervisor on the same journal."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,7 +112,10 @@ class Supervisor:
         sleep: Callable[[float], None] = time.sleep,
         observer: Callable[[PollView], None] | None = None,
         evidence_dir: Path | None = None,
+        journal_path: Path | None = None,
     ) -> None:
+        """`journal_path` is where records wait for the store (default: `journal.jsonl` in
+        `evidence_dir`; with neither they wait in memory only and are lost with the process)."""
         self.spec = spec
         self.store = store
         self.orch = orchestrator
@@ -123,10 +137,16 @@ class Supervisor:
         self.log = JobLogger(log, job=spec.job)
         self._incidents: list[Incident] = []
         self._ids = itertools.count(1)
+        if journal_path is None and evidence_dir is not None:
+            journal_path = evidence_dir / JOURNAL_FILE
+        self.journal = Journal(journal_path)
+        self.outbox = Outbox(self.journal, store, clock=lambda: self.clock() / 1e6,
+                             policy=self.settings.store_retry)
 
     def run(self) -> RunResult:
         started = self.clock()
         attempt = 0
+        self.outbox.flush(force=True)  # what an earlier supervisor left in the journal
         try:
             while True:
                 try:
@@ -155,7 +175,18 @@ class Supervisor:
                                                f"({verdict.summary}): {gave_up}")
                 attempt += 1
         finally:
-            self.orch.close()
+            try:
+                self.orch.close()
+            finally:
+                self._drain_journal()
+
+    def _drain_journal(self) -> None:
+        """Give the store a last chance at what is journaled; say where the rest waits."""
+        if self.outbox.drain(self.settings.journal_drain_s, self.sleep):
+            return
+        self.log.error("%d records could not be stored in %s yet; they wait in the journal %s "
+                       "for the next supervisor of this job", len(self.outbox.pending()),
+                       self.store.url, self.journal.path or "(memory only: lost)")
 
     def _result(self, attempts: int, *, completed: bool, reason: str) -> RunResult:
         return RunResult(job=self.spec.job, completed=completed, attempts=attempts,
@@ -186,6 +217,7 @@ class Supervisor:
             if timeout_us is not None and now - started_us > timeout_us:
                 return f"timed out after {self.settings.timeout_s:.0f} s"
             refresh = now - last_summaries_us >= int(self.settings.summaries_every_s * 1e6)
+            self.outbox.flush()
             try:
                 obs = load_observation(
                     self.store, job=plan.job, attempt=plan.attempt, now_us=now,
@@ -196,6 +228,8 @@ class Supervisor:
                     last_summaries_us = now
             except TemporaryStoreError as exc:
                 self.log.warning("store unavailable, analysis paused: %s", exc)
+                continue
+            if not self._exits_stored():
                 continue
             if self.observer is not None:
                 self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
@@ -210,6 +244,17 @@ class Supervisor:
             if verdict.kind in SOFT_KINDS or key not in self._recorded:
                 self._recorded.add(key)
                 self._recover(verdict, steps)  # observed only; the attempt goes on
+
+    def _exits_stored(self) -> bool:
+        """Whether the store has every exit seen so far (the store answered: try it now). The
+        analysis waits until it has: without them a crash would read as a silence."""
+        if self.outbox.flush(force=True):
+            return True
+        waiting = [e for e in self.outbox.pending() if isinstance(e.record, RankExit)]
+        if waiting:
+            self.log.warning("analysis paused: %d rank exits not yet in the store",
+                             len(waiting))
+        return not waiting
 
     def _plan(self, verdict: Verdict, now_us: int) -> tuple[PlannedAction, ...]:
         first = self._first_seen.setdefault(_episode(verdict), now_us)
@@ -244,9 +289,7 @@ class Supervisor:
         JobLogger(log, job=exit_.job, node=exit_.node, rank=exit_.rank).log(
             level, "attempt %d: exited with code %d", exit_.attempt, exit_.exit_code
         )
-        batch = Batch(batch_id=f"exit/{exit_.job}/{exit_.attempt}/{exit_.rank}", records=(exit_,))
-        self._store_retrying(lambda: self.store.insert(batch, maybe_duplicate=True),
-                             what=f"the exit of rank {exit_.rank}")
+        self.outbox.put(exit_)
 
     # -- acting on a verdict -------------------------------------------------------------------
     def _recover(self, verdict: Verdict, plan: tuple[PlannedAction, ...]) -> str | None:
@@ -262,8 +305,7 @@ class Supervisor:
         )
         self.log.warning("incident %s: %s %s (confidence %.2f)", incident_id, verdict.kind.value,
                          verdict.summary, verdict.confidence)
-        self._store_retrying(lambda: self.store.record_incident(incident),
-                             what=f"incident {incident_id}")
+        self.outbox.put(incident)
         self._keep_evidence(incident_id)
         actions: list[Action] = []
         gave_up: str | None = None
@@ -277,8 +319,7 @@ class Supervisor:
                             target=step.target, time_us=at, ok=ok,
                             detail=detail or step.reason)
             actions.append(action)
-            self._store_retrying(functools.partial(self.store.record_action, action),
-                                 what=f"action {step.kind.value} of {incident_id}")
+            self.outbox.put(action)
         self._incidents.append(msgspec.structs.replace(incident, actions=tuple(actions)))
         return gave_up
 
@@ -306,18 +347,6 @@ class Supervisor:
             self.orch.isolate(node, reason=step.reason)
             return True, f"isolated {node}: {step.reason}"
         return True, step.reason  # restart, observe and give up are carried out by the loop
-
-    def _store_retrying(self, write: Callable[[], object], *, what: str) -> None:
-        """Write `what` to the store, waiting out a temporary outage (about 16 s in all)."""
-        for delay in (0.2, 0.5, 1.0, 2.0, 4.0, 8.0):
-            try:
-                write()
-                return
-            except TemporaryStoreError as exc:
-                self.log.warning("store unavailable, retrying %s in %.1f s: %s", what, delay, exc)
-                self.sleep(delay)
-        self.log.error("could not record %s: the store %s stayed unavailable", what,
-                       self.store.url)
 
 
 def _episode(verdict: Verdict) -> tuple[object, ...]:
