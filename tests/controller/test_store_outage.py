@@ -1,7 +1,8 @@
 """No loss, no duplicates: the ClickHouse server goes away for ten seconds in the middle of a real
 job and comes back. Every collective the ranks recorded must end up stored exactly once, counted
 by (job, attempt, rank, group, sequence id) against what each rank says it completed in its final
-heartbeat.
+heartbeat; the supervisor's own records (rank exits) pass through its journal in the job's
+workdir, which ends empty.
 """
 
 from __future__ import annotations
@@ -72,8 +73,12 @@ def test_store_outage_mid_job_loses_nothing_and_stores_nothing_twice(tmp_path: P
         try:
             keys = store.collective_keys(JOB)
             final = store.latest_heartbeats(JOB, 0)
+            exits = store.exits(JOB, 0)
         finally:
             store.close()
+        assert sorted((e.rank, e.exit_code) for e in exits) == [(0, 0), (1, 0)]
+        journal = tmp_path / "work" / JOB / "journal.jsonl"
+        assert journal.read_bytes() == b"", "the supervisor's journal was written to the store"
         counts = collections.Counter((k.attempt, k.rank, k.group, k.seq) for k in keys)
         twice = {k: n for k, n in counts.items() if n > 1}
         assert not twice, f"stored more than once: {sorted(twice)[:10]}"
