@@ -29,7 +29,6 @@ to `<journal>.refused` for a human; it is not retried. One supervisor at a time 
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import os
@@ -38,11 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tracehound.tracing import kinds, wire
 from tracehound.tracing.errors import StoreError, TemporaryStoreError
 from tracehound.tracing.events import Action, ActionKind, Batch, Incident, RankExit
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.retry import Backoff, BackoffState, call_with_retry
-from tracehound.tracing.store import TraceStore
+from tracehound.tracing.store import HeldRecords, TraceStore
 
 log = logging.getLogger(__name__)
 
@@ -55,53 +55,32 @@ STORE_RETRY = Backoff(initial_s=0.5, maximum_s=5.0)
 Journaled = Incident | Action | RankExit
 """What the supervisor journals."""
 
-_FIELDS: dict[str, tuple[str, ...]] = {
-    "incident": ("job", "incident_id", "attempt", "detected_at_us", "kind", "culprit_ranks",
-                 "culprit_nodes", "confidence", "summary", "verdict_json", "schema_version"),
-    "action": ("job", "incident_id", "kind", "target", "time_us", "ok", "detail"),
-    "exit": ("job", "attempt", "node", "rank", "pid", "exit_code", "time_us"),
-}
-"""The fields each kind of record is journaled with (an incident's actions are records of their
-own)."""
+_KINDS = ("incident", "action", "exit")
+"""The record kinds (their wire `type`) the journal takes."""
 
 
 # -- records as JSON ---------------------------------------------------------------------------
 
 def kind_of(record: Journaled) -> str:
-    """The journal's name for the kind of `record`."""
-    if isinstance(record, Incident):
-        return "incident"
-    if isinstance(record, Action):
-        return "action"
-    return "exit"
+    """The journal's name for the kind of `record`: its wire `type`."""
+    return kinds.layout(type(record)).tag
 
 
 def to_json(record: Journaled) -> dict[str, Any]:
-    """The record's journaled fields as JSON values (enums by value, tuples as lists)."""
-    values: dict[str, Any] = {}
-    for name in _FIELDS[kind_of(record)]:
-        value = getattr(record, name)
-        if isinstance(value, enum.Enum):
-            value = value.value
-        elif isinstance(value, tuple):
-            value = list(value)
-        values[name] = value
+    """The record in its wire form (`tracing.wire`) without its `type` (the journal line names
+    it); an incident without its actions, which are journaled as records of their own."""
+    values = wire.encode(record)
+    del values["type"]
+    values.pop("actions", None)
     return values
 
 
 def from_json(kind: str, values: dict[str, Any]) -> Journaled:
-    """The record `to_json` gave `values` for; KeyError or ValueError if they do not fit."""
-    if kind not in _FIELDS:
+    """The record `to_json` gave `values` for; ValueError if they do not fit."""
+    if kind not in _KINDS:
         raise ValueError(f"unknown journal record kind {kind!r}")
-    fields = {name: values[name] for name in _FIELDS[kind]}
-    if kind == "incident":
-        fields["culprit_ranks"] = tuple(fields["culprit_ranks"])
-        fields["culprit_nodes"] = tuple(fields["culprit_nodes"])
-        return Incident(**fields)
-    if kind == "action":
-        fields["kind"] = ActionKind(fields["kind"])
-        return Action(**fields)
-    return RankExit(**fields)
+    record: Journaled = wire.decode({**values, "type": kind}, batch_only=False)
+    return record
 
 
 def exit_batch_id(exit_: RankExit) -> str:
@@ -276,7 +255,7 @@ class Outbox:
             return True
         if not force and self.clock() < self._next_try:
             return False
-        held: dict[JobId, _Held] = {}
+        held: dict[JobId, HeldRecords] = {}
         for entry in self._in_write_order():
             try:
                 self._store_once(entry, held)
@@ -318,7 +297,7 @@ class Outbox:
             log.warning("store unavailable: %d records kept in journal %s until it answers: %s",
                         len(self.pending()), self.journal.path or "(memory)", exc)
 
-    def _store_once(self, entry: Entry, held: dict[JobId, _Held]) -> None:
+    def _store_once(self, entry: Entry, held: dict[JobId, HeldRecords]) -> None:
         """Write the entry's record unless an earlier try already landed; mark it done."""
         record = entry.record
         if entry.maybe_stored and self._holds(record, held):
@@ -337,39 +316,14 @@ class Outbox:
             batch = Batch(batch_id=exit_batch_id(record), records=(record,))
             self.store.insert(batch, maybe_duplicate=True)
 
-    def _holds(self, record: Journaled, held: dict[JobId, _Held]) -> bool:
+    def _holds(self, record: Journaled, held: dict[JobId, HeldRecords]) -> bool:
         """Whether the store already has the record (read once per job and flush)."""
         if isinstance(record, RankExit):
             return False  # its batch id makes a second write a no-op
         job = JobId(record.job)
         if job not in held:
-            held[job] = _Held.read(self.store, job)
+            held[job] = HeldRecords.read(self.store, [job])
         return held[job].has(record)
-
-
-@dataclass(frozen=True, slots=True)
-class _Held:
-    """The identities of the incidents and actions a store holds for one job."""
-
-    incidents: frozenset[tuple[str, int]]
-    actions: frozenset[tuple[str, str, str, int]]
-
-    @classmethod
-    def read(cls, store: TraceStore, job: JobId) -> _Held:
-        stored = store.incidents(job)
-        return cls(
-            incidents=frozenset((i.incident_id, i.detected_at_us) for i in stored),
-            actions=frozenset(_action_key(a) for i in stored for a in i.actions),
-        )
-
-    def has(self, record: Incident | Action) -> bool:
-        if isinstance(record, Incident):
-            return (record.incident_id, record.detected_at_us) in self.incidents
-        return _action_key(record) in self.actions
-
-
-def _action_key(action: Action) -> tuple[str, str, str, int]:
-    return (action.incident_id, ActionKind(action.kind).value, action.target, action.time_us)
 
 
 def _describe(record: Journaled) -> str:

@@ -29,7 +29,7 @@ import msgspec
 from tracehound.tracing import kinds, wire
 from tracehound.tracing.events import Action, Batch, Incident, now_us
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.store.port import FOREVER_US, BulkStore, TraceStore
+from tracehound.tracing.store.port import FOREVER_US, BulkStore, HeldRecords, TraceStore
 
 FORMAT = "tracehound-trace"
 VERSION = 1
@@ -79,14 +79,11 @@ def job_records(store: BulkStore, job: JobId) -> Iterator[kinds.RecordBase]:
         if "job" not in layout.read_columns:
             continue
         found = store.records(layout.kind, job)
-        for record in found:
-            node = getattr(record, "node", "")
-            if node:
-                nodes.add(node)
-            for name in ("time_us", "enqueue_us", "detected_at_us"):
-                value = getattr(record, name, 0)
-                if value:
-                    first, last = min(first, value), max(last, value)
+        times = [t for t in (getattr(r, layout.stored.time) for r in found) if t]
+        if times:
+            first, last = min(first, *times), max(last, *times)
+        if "node" in layout.read_columns:
+            nodes.update(r.node for r in found)
         yield from found
     if nodes and last:
         for sample in store.health(sorted(nodes), first, last + 1):
@@ -208,36 +205,20 @@ def _insert(store: TraceStore, report: LoadReport, records: list[Any], number: i
 
 def _store_incidents_and_actions(store: TraceStore, report: LoadReport, records: list[Any]
                                  ) -> None:
-    jobs = {r.job for r in records}
-    held_incidents: set[tuple[str, str]] = set()
-    held_actions: set[tuple[Any, ...]] = set()
-    for job in jobs:
-        for incident in store.incidents(JobId(job)):
-            held_incidents.add((incident.job, incident.incident_id))
-            held_actions.update(_action_key(a) for a in incident.actions)
+    held = HeldRecords.read(store, {r.job for r in records})
     for record in records:
-        if isinstance(record, Incident):
-            key: tuple[Any, ...] = (record.job, record.incident_id)
-            if key in held_incidents:
-                report.already_stored += 1
-                continue
-            store.record_incident(record)
-            held_incidents.add((record.job, record.incident_id))
-        elif isinstance(record, Action):
-            key = _action_key(record)
-            if key in held_actions:
-                report.already_stored += 1
-                continue
-            store.record_action(record)
-            held_actions.add(key)
-        else:  # a controller-side kind this loader has no writer for
+        if not isinstance(record, Incident | Action):  # a kind this loader has no writer for
             report.rejected.append((0, f"no way to store {type(record).__name__} records"))
             continue
+        if held.has(record):
+            report.already_stored += 1
+            continue
+        if isinstance(record, Incident):
+            store.record_incident(record)
+        else:
+            store.record_action(record)
+        held.add(record)
         report.stored += 1
-
-
-def _action_key(action: Action) -> tuple[Any, ...]:
-    return (action.job, action.incident_id, action.kind.value, action.target, action.time_us)
 
 
 __all__ = [

@@ -16,15 +16,14 @@ The suite's shared server (TRACEHOUND_TEST_CLICKHOUSE_URL) is never stopped here
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 from clickhouse_harness import RunningServer, start_server
+from supervisor_fakes import Clock, S, ScriptedOrchestrator
 
 from tracehound.controller.journal import Journal, from_json, to_json
-from tracehound.controller.orchestrator import AttemptPlan
 from tracehound.controller.policy import PolicySettings
 from tracehound.controller.supervisor import (
     JobSpec,
@@ -44,46 +43,11 @@ from tracehound.tracing.events import (
 from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.store import TraceStore, bulk, open_store
 
-S = 1_000_000
 JOB = JobId("journal")
 OUTAGE_S = 60.0
 SPEC = JobSpec(job=JOB, command=("python", "train.py"), nnodes=2, nproc_per_node=1,
                spare_nodes=1)
 RESTART = [ActionKind.STOP_JOB, ActionKind.ISOLATE_NODE, ActionKind.RESTART]
-
-
-@dataclass
-class ScriptedOrchestrator:
-    """Records what the supervisor asks (and when, on the wall clock); exits are queued."""
-
-    plans: list[AttemptPlan] = field(default_factory=list)
-    launched_at: list[float] = field(default_factory=list)
-    exits: list[RankExit] = field(default_factory=list)
-    stopped: int = 0
-    isolated: list[str] = field(default_factory=list)
-
-    def launch(self, plan: AttemptPlan) -> None:
-        self.plans.append(plan)
-        self.launched_at.append(time.time())
-
-    def poll_exits(self) -> list[RankExit]:
-        out, self.exits = self.exits, []
-        return out
-
-    def pid_of(self, rank: int) -> int | None:
-        return 1000 + rank
-
-    def finish(self) -> None:
-        pass
-
-    def stop(self, *, grace_s: float = 3.0) -> None:
-        self.stopped += 1
-
-    def isolate(self, node: NodeId, *, reason: str) -> None:
-        self.isolated.append(node)
-
-    def close(self) -> None:
-        pass
 
 
 class CrashThenClean:
@@ -112,17 +76,6 @@ class CrashThenClean:
                      time_us=self.clock())
             for r in ranks
         ]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000 * S
-
-    def __call__(self) -> int:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += int(seconds * S)
 
 
 class FlakyStore:
@@ -262,7 +215,7 @@ def test_a_new_supervisor_on_the_same_journal_stores_what_the_last_one_left(
     journal = tmp_path / "journal.jsonl"
     flaky = FlakyStore(store)
     flaky.down = True
-    clock = FakeClock()
+    clock = Clock()
     orch = ScriptedOrchestrator()
     first = supervisor(
         cast(TraceStore, flaky), orch, journal, clock=clock, sleep=clock.sleep,
@@ -296,7 +249,7 @@ def test_a_write_that_landed_but_looked_failed_is_not_written_again(
 ) -> None:
     flaky = FlakyStore(store)
     flaky.land_then_fail = {"incident", "action"}
-    clock = FakeClock()
+    clock = Clock()
     orch = ScriptedOrchestrator()
     sup = supervisor(cast(TraceStore, flaky), orch, tmp_path / "journal.jsonl", clock=clock,
                      sleep=clock.sleep, observer=CrashThenClean(orch, clock))

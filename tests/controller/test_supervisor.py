@@ -5,12 +5,12 @@ the hang threshold is crossed exactly when the test says.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from supervisor_fakes import Clock, S, ScriptedOrchestrator
 
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.snapshot import snapshot_from_json
-from tracehound.controller.orchestrator import AttemptPlan
 from tracehound.controller.policy import PolicySettings
 from tracehound.controller.supervisor import JobSpec, PollView, Supervisor, SupervisorSettings
 from tracehound.tracing.events import (
@@ -23,53 +23,7 @@ from tracehound.tracing.events import (
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.store import TraceStore
 
-S = 1_000_000
 JOB = JobId("sup")
-
-
-@dataclass
-class ScriptedOrchestrator:
-    """Records what the supervisor asks; exits are queued by the test."""
-
-    plans: list[AttemptPlan] = field(default_factory=list)
-    exits: list[RankExit] = field(default_factory=list)
-    stopped: int = 0
-    finished: int = 0
-    isolated: list[str] = field(default_factory=list)
-    closed: bool = False
-
-    def launch(self, plan: AttemptPlan) -> None:
-        self.plans.append(plan)
-
-    def poll_exits(self) -> list[RankExit]:
-        out, self.exits = self.exits, []
-        return out
-
-    def pid_of(self, rank: int) -> int | None:
-        return 1000 + rank
-
-    def finish(self) -> None:
-        self.finished += 1
-
-    def stop(self, *, grace_s: float = 3.0) -> None:
-        self.stopped += 1
-
-    def isolate(self, node: NodeId, *, reason: str) -> None:
-        self.isolated.append(node)
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000 * S
-
-    def __call__(self) -> int:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += int(seconds * S)
 
 
 def beat(

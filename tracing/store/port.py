@@ -16,12 +16,13 @@ Two adapters implement both, chosen by URL (`store.factory.open_store`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tracehound.tracing.events import (
     Action,
+    ActionKind,
     Batch,
     CollectiveEvent,
     HealthSample,
@@ -193,6 +194,48 @@ class BulkStore(TraceStore, Protocol):
         """Every stored record of one kind of a job (any registered kind), oldest first; for
         incidents, without their actions (those are records of their own)."""
         ...
+
+
+@dataclass(slots=True)
+class HeldRecords:
+    """The identities of the incidents and actions a store holds for some jobs: what a writer
+    checks before writing one again (a retry whose first try may have landed, a trace file loaded
+    twice). An incident is known by (job, id, detection time): ids restart with each supervisor.
+    An action by (job, incident id, kind, target, time)."""
+
+    incidents: set[tuple[str, str, int]]
+    actions: set[tuple[str, str, str, str, int]]
+
+    @classmethod
+    def read(cls, store: TraceStore, jobs: Iterable[str]) -> HeldRecords:
+        """What `store` holds of `jobs` now (one `incidents` read per job)."""
+        held = cls(set(), set())
+        for job in jobs:
+            for incident in store.incidents(JobId(job)):
+                held.add(incident)
+                for action in incident.actions:
+                    held.add(action)
+        return held
+
+    def has(self, record: Incident | Action) -> bool:
+        if isinstance(record, Incident):
+            return _incident_key(record) in self.incidents
+        return _action_key(record) in self.actions
+
+    def add(self, record: Incident | Action) -> None:
+        if isinstance(record, Incident):
+            self.incidents.add(_incident_key(record))
+        else:
+            self.actions.add(_action_key(record))
+
+
+def _incident_key(incident: Incident) -> tuple[str, str, int]:
+    return (incident.job, incident.incident_id, incident.detected_at_us)
+
+
+def _action_key(action: Action) -> tuple[str, str, str, str, int]:
+    return (action.job, action.incident_id, ActionKind(action.kind).value, action.target,
+            action.time_us)
 
 
 def bulk(store: TraceStore) -> BulkStore:

@@ -1,0 +1,62 @@
+"""What the supervisor tests drive it with: an orchestrator that records what it is asked (exits
+are queued by the test) and a clock whose sleep only moves it forward."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tracehound.controller.orchestrator import AttemptPlan
+from tracehound.tracing.events import RankExit
+from tracehound.tracing.ids import NodeId
+
+S = 1_000_000
+
+
+@dataclass
+class ScriptedOrchestrator:
+    """Records what the supervisor asks (launches also on the wall clock); exits are queued."""
+
+    plans: list[AttemptPlan] = field(default_factory=list)
+    launched_at: list[float] = field(default_factory=list)
+    exits: list[RankExit] = field(default_factory=list)
+    stopped: int = 0
+    finished: int = 0
+    isolated: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def launch(self, plan: AttemptPlan) -> None:
+        self.plans.append(plan)
+        self.launched_at.append(time.time())
+
+    def poll_exits(self) -> list[RankExit]:
+        out, self.exits = self.exits, []
+        return out
+
+    def pid_of(self, rank: int) -> int | None:
+        return 1000 + rank
+
+    def finish(self) -> None:
+        self.finished += 1
+
+    def stop(self, *, grace_s: float = 3.0) -> None:
+        self.stopped += 1
+
+    def isolate(self, node: NodeId, *, reason: str) -> None:
+        self.isolated.append(node)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Clock:
+    """Microseconds since the epoch; `sleep` advances it instead of waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000 * S
+
+    def __call__(self) -> int:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += int(seconds * S)
