@@ -41,7 +41,14 @@ from types import FrameType
 from typing import Any
 
 from tracehound.agent.procwatch import Emit, ProcWatcher, PySpy, WatchStats, find_py_spy
-from tracehound.agent.spool import BatchSink, HttpSink, Shipper, Spool, StoreSink
+from tracehound.agent.spool import (
+    BatchSink,
+    ClockTracker,
+    HttpSink,
+    Shipper,
+    Spool,
+    StoreSink,
+)
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.events import Heartbeat, Record
@@ -98,6 +105,9 @@ class NodeAgent:
         self.node = node
         self.socket_path = socket_path
         self.spool = spool
+        if isinstance(sink, HttpSink) and sink.on_clock is None:
+            # each shipment measures this node's clock against the collector's
+            sink.on_clock = ClockTracker(job=job, node=node, emit=spool.append)
         self.shipper = Shipper(spool, sink)
         self.stats_file = stats_file
         self.stats_interval_s = stats_interval_s

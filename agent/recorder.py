@@ -89,7 +89,7 @@ class _Group:
 
     __slots__ = (
         "last_complete_us", "last_completed", "last_enqueue_us", "last_enqueued", "name",
-        "pending_op",
+        "pending_dtype", "pending_nbytes", "pending_op",
     )
 
     def __init__(self, name: str) -> None:
@@ -97,6 +97,8 @@ class _Group:
         self.last_enqueued = 0
         self.last_completed = 0
         self.pending_op = ""
+        self.pending_nbytes = 0
+        self.pending_dtype = ""
         self.last_enqueue_us = 0
         self.last_complete_us = 0
 
@@ -191,6 +193,8 @@ class Recorder:
             seq = group.last_enqueued + 1
             group.last_enqueued = seq
             group.pending_op = op
+            group.pending_nbytes = nbytes
+            group.pending_dtype = dtype
             group.last_enqueue_us = now
         return (group, seq, op, nbytes, dtype, peer, now)
 
@@ -204,6 +208,8 @@ class Recorder:
                 group.last_complete_us = now
             if group.last_completed >= group.last_enqueued:
                 group.pending_op = ""
+                group.pending_nbytes = 0
+                group.pending_dtype = ""
         self._offer((
             self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes, dtype,
             token_peer if peer is None else peer, not ok, enqueued, now,
@@ -302,6 +308,7 @@ class Recorder:
                     group=GroupId(g.name), last_enqueued=g.last_enqueued,
                     last_completed=g.last_completed, pending_op=g.pending_op,
                     last_enqueue_us=g.last_enqueue_us, last_complete_us=g.last_complete_us,
+                    pending_nbytes=g.pending_nbytes, pending_dtype=g.pending_dtype,
                 )
                 for g in self._groups.values()
             )

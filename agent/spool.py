@@ -33,9 +33,11 @@ from typing import Any, Protocol
 import msgspec
 
 from tracehound.tracing.errors import PermanentStoreError, StoreError, TemporaryStoreError
+from tracehound.tracing.events import ClockReading
+from tracehound.tracing.ids import JobId, NodeId
 from tracehound.tracing.retry import Backoff, BackoffState
 from tracehound.tracing.store import TraceStore
-from tracehound.tracing.wire import DecodedBatch, batch_of_lines, decode_batch
+from tracehound.tracing.wire import DecodedBatch, batch_of_lines, decode_batch, encode_line
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +109,15 @@ class StoreSink:
 
 
 class HttpSink:
-    """Posts batches to the ingest endpoint of the process that owns an embedded store."""
+    """Posts batches to the ingest endpoint of the process that owns an embedded store. Every
+    answer carries the endpoint's clock: `on_clock` (when set) is told each exchange, so the
+    node agent can record how far its clock is from the collector's."""
 
-    def __init__(self, url: str, *, timeout: float = 5.0) -> None:
+    def __init__(self, url: str, *, timeout: float = 5.0,
+                 on_clock: Callable[[Any], None] | None = None) -> None:
         self.url = url
         self.timeout = timeout
+        self.on_clock = on_clock
 
     def send(self, batch: SpooledBatch, *, maybe_duplicate: bool) -> int:
         from tracehound.tracing.store.ingest import post_body
@@ -120,11 +126,46 @@ class HttpSink:
             self.url, batch.body(), batch.batch_id, maybe_duplicate=maybe_duplicate,
             timeout=self.timeout,
         )
+        exchange = getattr(result, "clock", None)
+        if exchange is not None and self.on_clock is not None:
+            self.on_clock(exchange)
         rejected = getattr(result, "rejected", ())
         if rejected:
             log.warning("batch %s: the store rejected %d records (first: %s)",
                         batch.batch_id, len(rejected), rejected[0])
         return len(rejected)
+
+
+class ClockTracker:
+    """Turns the clock exchanges of shipments into `ClockReading` records: the first one at
+    once (when the agent connects), then the best (shortest round trip) of each period of
+    `every_s` seconds. Appends them through `emit` (the agent's own spool)."""
+
+    def __init__(self, *, job: str, node: str, emit: Callable[[list[bytes]], None],
+                 every_s: float = 30.0, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.job, self.node, self.emit = job, node, emit
+        self.every_s = every_s
+        self.monotonic = monotonic
+        self._best: Any = None
+        self._since: float | None = None
+        self._lock = threading.Lock()
+        self.readings = 0
+
+    def __call__(self, exchange: Any) -> None:
+        with self._lock:
+            now = self.monotonic()
+            if self._best is None or exchange.delay_us < self._best.delay_us:
+                self._best = exchange
+            if self._since is not None and now - self._since < self.every_s:
+                return
+            best, self._best, self._since = self._best, None, now
+            self.readings += 1
+        reading = ClockReading(
+            job=JobId(self.job), node=NodeId(self.node),
+            time_us=(best.sent_us + best.answered_us) // 2, offset_us=best.offset_us,
+            delay_us=best.delay_us,
+        )
+        self.emit([encode_line(reading)])
 
 
 @dataclass

@@ -111,6 +111,11 @@ class GroupProgress(msgspec.Struct, frozen=True, kw_only=True):
     """Op of `last_enqueued` while it has not completed, "" otherwise."""
     last_enqueue_us: U64
     last_complete_us: U64
+    pending_nbytes: U64 = 0
+    """Bytes this rank passes to the pending op (with `pending_dtype`, what a size or dtype
+    mismatch that hangs is told by); 0 when none is pending."""
+    pending_dtype: Text = ""
+    """Dtype of the pending op; "" when none is pending, or from a recorder that predates it."""
 
 
 @record_kind
@@ -230,6 +235,27 @@ class HealthSample(RecordBase, frozen=True, tag="health"):
 
 
 @record_kind
+class ClockReading(RecordBase, frozen=True, tag="clock"):
+    """How far a node's clock was from the collector's, measured by the node agent from the
+    round trip of a shipment (NTP's four timestamps: sent, received, replied, answered)."""
+
+    TABLE: ClassVar[Stored] = Stored(
+        "clock_readings", time="time_us", order_by=("job", "node", "time_us"),
+        key=("job", "node", "time_us", "source"),
+    )
+
+    job: JobName
+    node: NodeName
+    time_us: U64
+    """When it was measured, on the node's clock."""
+    offset_us: I64
+    """How far the node's clock reads ahead of the collector's (negative: behind)."""
+    delay_us: U64
+    """The round trip minus the collector's time handling it: the offset is good to half of it."""
+    source: Name = "ingest"
+
+
+@record_kind
 class StackSample(RankRecord, frozen=True, tag="stack"):
     """One rank's Python stack at one moment, outermost frame first (`file:line function`)."""
 
@@ -341,7 +367,7 @@ class Incident(RecordBase, frozen=True, tag="incident"):
 
 Record = (
     CollectiveEvent | Heartbeat | ProcessGroupInfo | RankExit | HealthSample | StackSample
-    | ProcessSample
+    | ProcessSample | ClockReading
 )
 """What a batch carries from the ranks to the store."""
 

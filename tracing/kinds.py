@@ -192,9 +192,19 @@ class Layout:
                 continue
             arrays = row[i:i + len(f.parts)]
             i += len(f.parts)
+            # A part added to the declaration after the row was stored reads back as an empty
+            # array (the column was added to an older table): its field keeps its default.
+            length = len(arrays[0]) if arrays else 0
+            present = []
+            for part, array in zip(f.parts, arrays, strict=True):
+                if len(array) == length:
+                    present.append((part, array))
+                elif len(array):
+                    raise ValueError(f"{self.kind.__name__}.{f.field}: column of "
+                                     f"{part.field} holds {len(array)} values, not {length}")
             values[f.field] = tuple(
-                f.struct(**{p.field: p.from_db(v) for p, v in zip(f.parts, items, strict=True)})
-                for items in zip(*arrays, strict=True)
+                f.struct(**{p.field: p.from_db(a[k]) for p, a in present})
+                for k in range(length)
             )
         return self.kind(**values)
 

@@ -18,16 +18,39 @@ negative values, never wrapped ones):
   of sequences where the rank's enqueue_us == last_us (ties count for every tied rank),
   wait_mean_us = mean(complete_us - enqueue_us), span_us = max(enqueue_us) - min(enqueue_us)
   (how far the rank's counted collectives spread: with n it gives the time between collectives,
-  whatever part of the window the job was running in).
+  whatever part of the window the job was running in). blame_us = the sum, over the sequences
+  where the rank is the only member with enqueue_us == last_us, of last_us minus the second
+  latest enqueue_us of the sequence (how long the group waited on this rank alone).
+  From ALL the rank's completed rows in the window (any group, p2p included), sorted by
+  (enqueue_us, complete_us): gaps = enqueue_us of each row minus complete_us of the row before
+  it, negative gaps counting 0; busy_us = sum(gaps) (the time the rank spent outside its
+  operations: its compute, as the trace sees it), busy_max_us = max(gaps) (0 without a gap),
+  active_us = max(complete_us) - min(enqueue_us) of those rows. These three compare times of one
+  rank only, so no clock correction applies to them.
+- Clock correction (optional, `ClockCorrection`): every enqueue_us and complete_us a summary
+  compares across ranks is first aligned: t - floor(offset_us[node] + drift[node] * (t - ref_us))
+  in float64, node being the row's node (absent nodes: no correction). RankStats (except busy_us,
+  busy_max_us, active_us), LinkStats and NodeWindows are computed on aligned times; the window
+  itself (start_us <= enqueue_us < end_us) is always on the recorded times.
+- ClockSamples: what node clock offsets are estimated from. Rows: in the window, completed, op in
+  SYMMETRIC_OPS (members leave these within a short interval of each other) or a p2p pair
+  group's send/recv rows; per (group, seq) whose rows come from at least two nodes: center =
+  the upper median of complete_us (sorted[count // 2], ClickHouse's quantileExact(0.5)); each
+  row's diff = complete_us - center; bucket = (center - start_us) // width_us. Per (group, node,
+  bucket): offset_us = upper median of diff, n = count; sorted by (group, node, bucket).
 - LinkStats, per (src, dst) over p2p pair groups (`":p2p:"` in the group id). Per (group, seq),
   only its send-side rows (op send/isend) and recv-side rows (op recv/irecv) count, any other op
   is ignored; it is a transfer when there is exactly one send-side row (src = its rank) and
   exactly one recv-side row (dst = its rank), both completed: transfer_us = max(complete_us) -
   max(enqueue_us) of those two rows. n, transfer_mean_us, transfer_max_us per (src, dst).
 - Disagreement: a (group, seq) among the non-p2p rows of the window, completed or failed, whose
-  rows do not all share one op, one nbytes and one dtype; its ranks with their op, nbytes and
-  dtype, sorted by rank. The first `limit` by (group, seq) (group ids compare by code point,
-  which is ClickHouse's byte order of UTF-8). With each, the reference of its siblings: for a
+  rows do not all share one op, one nbytes and one dtype, unless they are uneven by design: all
+  share one op that is one of the caller's `uneven_ops` and one dtype, and differ in nbytes only
+  (an all_to_all whose members send different splits). Its ranks with their op, nbytes and
+  dtype, sorted by rank. Listed in group order (`group_order`: shorter ids first, ids of one
+  length by code point, which is ClickHouse's byte order of UTF-8; so ids that are numbers
+  compare as numbers, "727" before "1500"), then by seq; the first `limit` (at least 1) are
+  kept and `Disagreements.dropped` counts the rest. With each, the reference of its siblings: for a
   disagreement at seq s with m rows, its siblings are the OTHER groups with exactly m rows at
   seq s among the same rows (non-p2p, in the window, completed or failed) that all share one
   op, one nbytes and one dtype (so a disagreeing group is never a sibling). Each sibling votes
@@ -38,7 +61,8 @@ negative values, never wrapped ones):
   // window_us, ceil((end_us - start_us) / window_us) buckets (the last may be shorter), with
   window_start_us = start_us + bucket * window_us. Rows are the collective rows RankStats counts
   (first_us, last_us and members are per (group, seq) over the whole window, not per bucket;
-  a row falls in the bucket of its own enqueue_us). Per (bucket, node) over that node's rows in
+  a row falls in the bucket of its own enqueue_us, clamped to the first or last bucket when
+  a clock-corrected time falls outside them). Per (bucket, node) over that node's rows in
   the bucket: lateness_mean_us, last_fraction (= last_count / n), wait_mean_us, as a dense array
   [buckets, nodes, features] with NaN where a node has no rows in a bucket. Nodes are those
   with at least one such row in the window, sorted by name; a rank's node is `node_of_rank` in
@@ -51,7 +75,9 @@ with the reference; it never queries a store.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 import numpy.typing as npt
@@ -86,7 +112,8 @@ class CollectiveColumns:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class RankStats:
-    """Per-rank arrival statistics over a window, sorted by rank."""
+    """Per-rank arrival statistics over a window, sorted by rank. The last four columns are
+    None where a source does not compute them."""
 
     rank: I64
     n: I64
@@ -94,6 +121,66 @@ class RankStats:
     last_count: I64
     wait_mean_us: F64
     span_us: I64
+    blame_us: F64 | None = None
+    busy_us: F64 | None = None
+    busy_max_us: F64 | None = None
+    active_us: F64 | None = None
+
+
+SYMMETRIC_OPS = (
+    "all_reduce", "allreduce", "allreduce_coalesced", "all_gather", "all_gather_into_tensor",
+    "allgather", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "alltoall", "alltoall_base", "barrier",
+)
+"""Collectives every member leaves at about the same moment (no root): their completion times
+tell node clocks apart."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClockCorrection:
+    """Per-node clock corrections: a node's clock reads `offset_us + drift * (t - ref_us)`
+    ahead of the job's common time at its own time t."""
+
+    ref_us: int
+    nodes: tuple[str, ...]
+    offset_us: tuple[float, ...]
+    drift: tuple[float, ...]
+    """Seconds gained per second (ppm / 1e6)."""
+
+    def __post_init__(self) -> None:
+        if not len(self.nodes) == len(self.offset_us) == len(self.drift):
+            raise ValueError("nodes, offset_us and drift must have one entry per node")
+
+    def align(self, times: I64, node_codes: I64, nodes: npt.NDArray[np.str_]) -> I64:
+        """`times` on the common clock; `node_codes` index `nodes`, the node of each time."""
+        index = {n: i for i, n in enumerate(self.nodes)}
+        where = np.array([index.get(str(n), -1) for n in nodes], dtype=np.int64)
+        offset = np.append(np.asarray(self.offset_us, np.float64), 0.0)[where]
+        drift = np.append(np.asarray(self.drift, np.float64), 0.0)[where]
+        if times.shape[0] == 0:
+            return times.astype(np.int64)
+        row_offset = offset[node_codes]
+        row_drift = drift[node_codes]
+        correction = np.floor(row_offset + row_drift * (times - self.ref_us).astype(np.float64))
+        aligned: I64 = (times - correction.astype(np.int64)).astype(np.int64)
+        return aligned
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ClockSamples:
+    """Per (group, node, bucket) how far a node's completion times sit from its collectives'
+    centers (see the module docstring), what clock offsets are estimated from."""
+
+    group: npt.NDArray[np.str_]
+    node: npt.NDArray[np.str_]
+    bucket: I64
+    offset_us: F64
+    n: I64
+    start_us: int
+    width_us: int
+
+    def __len__(self) -> int:
+        return int(self.group.shape[0])
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -123,6 +210,37 @@ class Disagreement:
     peer_dtype: str = ""
     peer_groups: int = 0
     """How many sibling groups ran (peer_op, peer_nbytes, peer_dtype); 0 without siblings."""
+
+
+class Disagreements(tuple[Disagreement, ...]):
+    """The disagreements a limit kept, in group order (see `group_order`), and how many more
+    disagreeing (group, seq) it dropped.
+
+    A tuple of the kept rows, so it iterates, slices and compares like them; equality ignores
+    `dropped` (compare it apart)."""
+
+    dropped: int
+    """Disagreeing (group, seq) past the limit; 0 when nothing was cut."""
+
+    def __new__(cls, rows: Iterable[Disagreement] = (), *, dropped: int = 0) -> Self:
+        if dropped < 0:
+            raise ValueError(f"dropped must not be negative, got {dropped}")
+        kept = super().__new__(cls, rows)
+        object.__setattr__(kept, "dropped", dropped)
+        return kept
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({tuple.__repr__(self)}, dropped={self.dropped})"
+
+
+def group_order(group: str) -> tuple[int, str]:
+    """The key groups are listed by: shorter ids first, ids of one length by code point, so ids
+    that are numbers compare as numbers ("727" before "1500"). The stores sort by
+    (lengthUTF8(group_id), group_id), the same order."""
+    return (len(group), group)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

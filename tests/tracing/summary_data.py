@@ -11,6 +11,8 @@ import numpy as np
 from hypothesis import strategies as st
 
 from tracehound.tracing.summaries import (
+    ClockCorrection,
+    ClockSamples,
     CollectiveColumns,
     LinkStats,
     NodeWindows,
@@ -182,7 +184,7 @@ SIBLING_EXAMPLE = (
 
 
 GROUPS = ("0", "1", "a", "0:p2p:1-2", "0:p2p:2-3")
-OPS = ("all_reduce", "broadcast", "send", "recv", "isend", "irecv")
+OPS = ("all_reduce", "broadcast", "send", "recv", "isend", "irecv", "all_to_all_single")
 
 
 @st.composite
@@ -216,6 +218,18 @@ def assert_rank_stats(got: RankStats, want: RankStats) -> None:
     np.testing.assert_allclose(got.lateness_mean_us, want.lateness_mean_us, rtol=1e-12)
     np.testing.assert_allclose(got.wait_mean_us, want.wait_mean_us, rtol=1e-12)
     np.testing.assert_array_equal(got.span_us, want.span_us)
+    for name in ("blame_us", "busy_us", "busy_max_us", "active_us"):
+        mine, theirs = getattr(got, name), getattr(want, name)
+        assert mine is not None and theirs is not None, name
+        np.testing.assert_allclose(mine, theirs, rtol=1e-12, err_msg=name)
+
+
+def assert_clock_samples(got: ClockSamples, want: ClockSamples) -> None:
+    assert got.group.tolist() == want.group.tolist()
+    assert got.node.tolist() == want.node.tolist()
+    np.testing.assert_array_equal(got.bucket, want.bucket)
+    np.testing.assert_array_equal(got.offset_us, want.offset_us)
+    np.testing.assert_array_equal(got.n, want.n)
 
 
 def assert_link_stats(got: LinkStats, want: LinkStats) -> None:
@@ -231,3 +245,14 @@ def assert_node_windows(got: NodeWindows, want: NodeWindows) -> None:
     np.testing.assert_array_equal(got.window_start_us, want.window_start_us)
     assert got.features.shape == want.features.shape
     np.testing.assert_allclose(got.features, want.features, rtol=1e-12, equal_nan=True)
+
+
+def skewed_clock(case: Case) -> ClockCorrection:
+    """A correction for the case's nodes: offsets of milliseconds either way and drift of some
+    ppm, one node left uncorrected."""
+    nodes = sorted(set(case.node_of_rank.values()))[1:]
+    return ClockCorrection(
+        ref_us=T0 + 3, nodes=tuple(nodes),
+        offset_us=tuple(float((-1) ** i * (1500.25 * (i + 1))) for i in range(len(nodes))),
+        drift=tuple(((-1) ** i) * 7e-6 * (i + 1) for i in range(len(nodes))),
+    )

@@ -96,6 +96,26 @@ def test_schema_creation_is_idempotent(store: TraceStore) -> None:
     assert store.jobs() == [JOB]
 
 
+def test_a_store_made_before_new_fields_gets_their_columns(store: TraceStore) -> None:
+    """A store created by an older version lacks the columns of fields declared since (here
+    the pending size and dtype of heartbeats): ensure_schema adds them, and what was stored
+    before reads back with the fields' defaults."""
+    assert isinstance(store, SqlTraceStore)
+    old = heartbeat(rank=0, step=3, time_us=1_700_000_000_500_000)
+    store.insert(Batch(batch_id="before", records=(old,)))
+    for column in ("group_pending_nbytes", "group_pending_dtype"):
+        store._query(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}", {})
+    store.ensure_schema()
+    store.ensure_schema()  # nothing left to add
+    (back,) = store.latest_heartbeats(JOB, 0)
+    assert back.groups[0].pending_nbytes == 0 and back.groups[0].pending_dtype == ""
+    newer = msgspec.structs.replace(old, time_us=old.time_us + 1, groups=(
+        msgspec.structs.replace(old.groups[0], pending_nbytes=4096, pending_dtype="bfloat16"),))
+    store.insert(Batch(batch_id="after", records=(newer,)))
+    (back,) = store.latest_heartbeats(JOB, 0)
+    assert back.groups[0].pending_nbytes == 4096 and back.groups[0].pending_dtype == "bfloat16"
+
+
 def test_reopening_keeps_the_data(store_url: str) -> None:
     first = open_store(store_url)
     try:

@@ -16,11 +16,13 @@ from summary_data import (
     T0,
     Case,
     Row,
+    assert_clock_samples,
     assert_link_stats,
     assert_node_windows,
     assert_rank_stats,
     columns,
     random_case,
+    skewed_clock,
     small_cases,
 )
 
@@ -164,16 +166,32 @@ def assert_store_matches_numpy(store: TraceStore, job: JobId, case: Case) -> Non
                       summaries.rank_stats(c.cols, c.start_us, c.end_us))
     assert_link_stats(store.link_stats(job, 0, c.start_us, c.end_us),
                       summaries.link_stats(c.cols, c.start_us, c.end_us))
-    assert tuple(store.disagreements(job, 0, c.start_us, c.end_us)) == (
-        summaries.disagreements(c.cols, c.start_us, c.end_us)
-    )
-    assert tuple(store.disagreements(job, 0, c.start_us, c.end_us, limit=3)) == (
-        summaries.disagreements(c.cols, c.start_us, c.end_us, limit=3)
-    )
+    for limit, uneven in ((100, ()), (3, ()), (3, ("all_reduce", "broadcast"))):
+        got = store.disagreements(job, 0, c.start_us, c.end_us, limit, uneven_ops=uneven)
+        want = summaries.disagreements(c.cols, c.start_us, c.end_us, limit, uneven_ops=uneven)
+        assert (tuple(got), got.dropped) == (tuple(want), want.dropped)
     assert_node_windows(
         store.node_windows(job, 0, c.start_us, c.end_us, c.window_us),
         summaries.node_windows(c.cols, c.node_of_rank, c.start_us, c.end_us, c.window_us),
     )
+    # the same on node clocks corrected by offsets and drift
+    clock = skewed_clock(c)
+    assert_rank_stats(store.rank_stats(job, 0, c.start_us, c.end_us, clock=clock),
+                      summaries.rank_stats(c.cols, c.start_us, c.end_us, clock=clock,
+                                           node_of_rank=c.node_of_rank))
+    assert_link_stats(store.link_stats(job, 0, c.start_us, c.end_us, clock=clock),
+                      summaries.link_stats(c.cols, c.start_us, c.end_us, clock=clock,
+                                           node_of_rank=c.node_of_rank))
+    if c.window_us > 0:
+        assert_node_windows(
+            store.node_windows(job, 0, c.start_us, c.end_us, c.window_us, clock=clock),
+            summaries.node_windows(c.cols, c.node_of_rank, c.start_us, c.end_us, c.window_us,
+                                   clock=clock),
+        )
+        assert_clock_samples(
+            store.clock_samples(job, 0, c.start_us, c.end_us, c.window_us),
+            summaries.clock_samples(c.cols, c.node_of_rank, c.start_us, c.end_us, c.window_us),
+        )
 
 
 def as_batch(job: JobId, case: Case, batch_id: str) -> Batch:

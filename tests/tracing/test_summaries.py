@@ -4,6 +4,7 @@ mismatches and p2p oddities."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter, defaultdict
 from statistics import fmean
@@ -16,17 +17,21 @@ from summary_data import (
     T0,
     Case,
     Row,
+    assert_clock_samples,
     assert_link_stats,
     assert_node_windows,
     assert_rank_stats,
     columns,
     random_case,
+    skewed_clock,
     small_cases,
 )
 
 from tracehound.analysis.sim import reference
 from tracehound.tracing import summaries
 from tracehound.tracing.summaries import (
+    ClockCorrection,
+    ClockSamples,
     CollectiveColumns,
     Disagreement,
     LinkStats,
@@ -69,6 +74,9 @@ def naive_rank_stats(case: Case) -> RankStats:
     for row, first, last in counted(case):
         per[row.rank].append((row, first, last))
     ranks = sorted(per)
+    per_seq: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for row, _, _ in counted(case):
+        per_seq[(row.group, row.seq)].append(row.enqueue_us)
     return RankStats(
         rank=np.array(ranks, dtype=np.int64),
         n=np.array([len(per[r]) for r in ranks], dtype=np.int64),
@@ -80,7 +88,31 @@ def naive_rank_stats(case: Case) -> RankStats:
         span_us=np.array([max(x.enqueue_us for x, _, _ in per[r])
                           - min(x.enqueue_us for x, _, _ in per[r]) for r in ranks],
                          dtype=np.int64),
+        blame_us=np.array([float(sum(blame(x, per_seq) for x, _, _ in per[r]))
+                           for r in ranks]),
+        busy_us=np.array([own_time(case, r)[0] for r in ranks]),
+        busy_max_us=np.array([own_time(case, r)[1] for r in ranks]),
+        active_us=np.array([own_time(case, r)[2] for r in ranks]),
     )
+
+
+def blame(row: Row, per_seq: dict[tuple[str, int], list[int]]) -> int:
+    """What the group waited on this row's rank alone: its lead over the second latest, when it
+    is the only latest member."""
+    enqueues = sorted(per_seq[(row.group, row.seq)], reverse=True)
+    if row.enqueue_us == enqueues[0] and enqueues[1] < enqueues[0]:
+        return row.enqueue_us - enqueues[1]
+    return 0
+
+
+def own_time(case: Case, rank: int) -> tuple[float, float, float]:
+    """(busy, longest gap, active) of a rank from all its completed rows in the window."""
+    mine = sorted((r.enqueue_us, r.complete_us) for r in rows_of(case.cols)
+                  if r.rank == rank and r.completed
+                  and case.start_us <= r.enqueue_us < case.end_us)
+    gaps = [max(0, mine[i + 1][0] - mine[i][1]) for i in range(len(mine) - 1)]
+    active = max(c for _, c in mine) - min(e for e, _ in mine) if mine else 0
+    return float(sum(gaps)), float(max(gaps, default=0)), float(active)
 
 
 def naive_link_stats(case: Case) -> LinkStats:
@@ -106,15 +138,19 @@ def naive_link_stats(case: Case) -> LinkStats:
     )
 
 
-def naive_disagreements(case: Case, limit: int = 100) -> tuple[Disagreement, ...]:
+def naive_disagreements(case: Case, limit: int = 100, uneven_ops: tuple[str, ...] = ()
+                        ) -> summaries.Disagreements:
     by_seq: dict[tuple[str, int], list[Row]] = defaultdict(list)
     for r in rows_of(case.cols):
         if case.start_us <= r.enqueue_us < case.end_us and ":p2p:" not in r.group:
             by_seq[(r.group, r.seq)].append(r)
     out = []
-    for (group, seq), rows in sorted(by_seq.items()):
+    # Group order: shorter ids first, then by code point; then by seq.
+    for (group, seq), rows in sorted(by_seq.items(),
+                                     key=lambda kv: (len(kv[0][0]), kv[0][0], kv[0][1])):
         rows.sort(key=lambda r: r.rank)
-        if len({(r.op, r.nbytes, r.dtype) for r in rows}) > 1:
+        uneven = len({(r.op, r.dtype) for r in rows}) == 1 and rows[0].op in uneven_ops
+        if len({(r.op, r.nbytes, r.dtype) for r in rows}) > 1 and not uneven:
             votes: Counter[tuple[str, int, str]] = Counter()
             for (other, other_seq), theirs in by_seq.items():
                 keys = {(r.op, r.nbytes, r.dtype) for r in theirs}
@@ -128,7 +164,7 @@ def naive_disagreements(case: Case, limit: int = 100) -> tuple[Disagreement, ...
                 dtypes=tuple(r.dtype for r in rows),
                 peer_op=peer[0], peer_nbytes=peer[1], peer_dtype=peer[2], peer_groups=n,
             ))
-    return tuple(out[:limit])
+    return summaries.Disagreements(out[:limit], dropped=max(0, len(out) - limit))
 
 
 def naive_node_windows(case: Case) -> NodeWindows:
@@ -160,13 +196,78 @@ def check(case: Case) -> None:
     c = case
     assert_rank_stats(reference.rank_stats(c.cols, c.start_us, c.end_us), naive_rank_stats(c))
     assert_link_stats(reference.link_stats(c.cols, c.start_us, c.end_us), naive_link_stats(c))
-    assert reference.disagreements(c.cols, c.start_us, c.end_us) == naive_disagreements(c)
-    assert reference.disagreements(c.cols, c.start_us, c.end_us, limit=2) == (
-        naive_disagreements(c, limit=2)
-    )
+    for limit, uneven in ((100, ()), (2, ()), (2, ("all_reduce", "broadcast"))):
+        got = reference.disagreements(c.cols, c.start_us, c.end_us, limit, uneven_ops=uneven)
+        want = naive_disagreements(c, limit, uneven)
+        assert (got, got.dropped) == (want, want.dropped)
     assert_node_windows(
         reference.node_windows(c.cols, c.node_of_rank, c.start_us, c.end_us, c.window_us),
         naive_node_windows(c),
+    )
+    check_clocked(c)
+    assert_clock_samples(
+        reference.clock_samples(c.cols, c.node_of_rank, c.start_us, c.end_us, c.window_us),
+        naive_clock_samples(c, c.window_us),
+    )
+
+
+def aligned_case(case: Case, clock: ClockCorrection) -> Case:
+    """The case's rows inside its window with times on the common clock, and a window that
+    holds them all: what the summaries with `clock` must equal (they pick rows by recorded
+    time, then compare aligned times)."""
+    inside = (case.cols.enqueue_us >= case.start_us) & (case.cols.enqueue_us < case.end_us)
+    cols = dataclasses.replace(
+        case.cols, **{f: getattr(case.cols, f)[inside] for f in (
+            "rank", "group", "seq", "op", "nbytes", "dtype", "peer", "completed",
+            "enqueue_us", "complete_us")})
+    nodes = np.array(sorted(set(case.node_of_rank.values())), dtype=np.str_)
+    code = np.array([list(nodes).index(case.node_of_rank[int(r)]) for r in cols.rank],
+                    dtype=np.int64)
+    cols = dataclasses.replace(cols, enqueue_us=clock.align(cols.enqueue_us, code, nodes),
+                               complete_us=clock.align(cols.complete_us, code, nodes))
+    return dataclasses.replace(case, cols=cols, start_us=-(2**62), end_us=2**62)
+
+
+def check_clocked(case: Case) -> None:
+    c, clock = case, skewed_clock(case)
+    got = reference.rank_stats(c.cols, c.start_us, c.end_us, clock=clock,
+                               node_of_rank=c.node_of_rank)
+    want = naive_rank_stats(aligned_case(c, clock))
+    plain = naive_rank_stats(c)
+    # busy, longest gap and active time compare one rank's times only: never corrected
+    want = dataclasses.replace(want, busy_us=plain.busy_us, busy_max_us=plain.busy_max_us,
+                               active_us=plain.active_us)
+    assert_rank_stats(got, want)
+    assert_link_stats(reference.link_stats(c.cols, c.start_us, c.end_us, clock=clock,
+                                           node_of_rank=c.node_of_rank),
+                      naive_link_stats(aligned_case(c, clock)))
+
+
+def naive_clock_samples(case: Case, width_us: int) -> ClockSamples:
+    rows = [r for r in rows_of(case.cols)
+            if case.start_us <= r.enqueue_us < case.end_us and r.completed
+            and (r.op in summaries.SEND_OPS + summaries.RECV_OPS if ":p2p:" in r.group
+                 else r.op in summaries.SYMMETRIC_OPS)]
+    by_seq: dict[tuple[str, int], list[Row]] = defaultdict(list)
+    for r in rows:
+        by_seq[(r.group, r.seq)].append(r)
+    cells: dict[tuple[str, str, int], list[int]] = defaultdict(list)
+    for (group, _), members in by_seq.items():
+        if len({case.node_of_rank[m.rank] for m in members}) < 2:
+            continue
+        completes = sorted(m.complete_us for m in members)
+        center = completes[len(completes) // 2]
+        for m in members:
+            bucket = (center - case.start_us) // width_us
+            cells[(group, case.node_of_rank[m.rank], bucket)].append(m.complete_us - center)
+    keys = sorted(cells)
+    return ClockSamples(
+        group=np.array([k[0] for k in keys], dtype=np.str_),
+        node=np.array([k[1] for k in keys], dtype=np.str_),
+        bucket=np.array([k[2] for k in keys], dtype=np.int64),
+        offset_us=np.array([sorted(cells[k])[len(cells[k]) // 2] for k in keys], np.float64),
+        n=np.array([len(cells[k]) for k in keys], dtype=np.int64),
+        start_us=case.start_us, width_us=width_us,
     )
 
 

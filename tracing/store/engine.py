@@ -24,6 +24,7 @@ from tracehound.tracing import kinds, summaries
 from tracehound.tracing.events import (
     Action,
     Batch,
+    ClockReading,
     CollectiveEvent,
     CollectiveState,
     HealthSample,
@@ -41,6 +42,7 @@ from tracehound.tracing.store.port import FOREVER_US, CollectiveKey, InsertRepor
 from tracehound.tracing.store.schema import (
     COLLECTIVES,
     Table,
+    add_column_statement,
     check_identifier,
     create_statements,
     table_of,
@@ -48,8 +50,11 @@ from tracehound.tracing.store.schema import (
 )
 from tracehound.tracing.store.sql import Param, Params
 from tracehound.tracing.summaries import (
+    ClockCorrection,
+    ClockSamples,
     CollectiveColumns,
     Disagreement,
+    Disagreements,
     LinkStats,
     NodeWindows,
     RankStats,
@@ -117,8 +122,17 @@ class SqlTraceStore(abc.ABC):
         return [layout.from_row(r) for r in rows]
 
     def ensure_schema(self) -> None:
+        """Creates what is missing: the database, the tables, and the columns a newer version
+        declares that an existing table lacks (added at its end: every insert and read names
+        its columns, so their order does not matter)."""
         for statement in create_statements(self.database):
             self._query(statement, {})
+        for table in tables():
+            have = {str(r[0]) for r in self._query(
+                q.SQL_TABLE_COLUMNS, {"database": self.database, "table": table.name})}
+            for column in table.columns:
+                if column.name not in have:
+                    self._query(add_column_statement(self.database, table, column), {})
 
     def insert(self, batch: Batch, *, maybe_duplicate: bool = False) -> InsertReport:
         inserted = skipped = 0
@@ -254,21 +268,44 @@ class SqlTraceStore(abc.ABC):
         return {**q.SUMMARY_CONSTANTS, "job": job, "attempt": attempt, "start_us": start,
                 "end_us": end_us}
 
-    def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> RankStats:
+    def _aligned(self, template: str, params: dict[str, Param],
+                 clock: ClockCorrection | None) -> str:
+        """`template` with `{enq}` and `{cmp}` as the rows' times on the common clock (the
+        correction's values bound into `params`), or as recorded without a correction."""
+        nodes = len(clock.nodes) if clock is not None else 0
+        if clock is not None and nodes:
+            params["clk_ref"] = clock.ref_us
+            for i, (node, offset, drift) in enumerate(
+                    zip(clock.nodes, clock.offset_us, clock.drift, strict=True)):
+                params[f"clk_node_{i}"] = node
+                params[f"clk_off_{i}"] = float(offset)
+                params[f"clk_drift_{i}"] = float(drift)
+        return self._sql(template, enq=q.aligned_time("enqueue_us", nodes),
+                         cmp=q.aligned_time("complete_us", nodes))
+
+    def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int, *,
+                   clock: ClockCorrection | None = None) -> RankStats:
         params = self._window_params(job, attempt, start_us, end_us)
-        rows = self._query(self._sql(q.SQL_RANK_STATS), params) if params else []
-        rank, n, lateness, last, wait, span = columns_of(rows, 6)
+        rows = (self._query(self._aligned(q.SQL_RANK_STATS, params, clock), params)
+                if params else [])
+        rank, n, lateness, last, wait, span, blame, busy, busy_max, active = columns_of(rows, 10)
         return RankStats(
             rank=np.array(rank, dtype=np.int64), n=np.array(n, dtype=np.int64),
             lateness_mean_us=np.array(lateness, dtype=np.float64),
             last_count=np.array(last, dtype=np.int64),
             wait_mean_us=np.array(wait, dtype=np.float64),
             span_us=np.array(span, dtype=np.int64),
+            blame_us=np.array(blame, dtype=np.float64),
+            busy_us=np.array(busy, dtype=np.float64),
+            busy_max_us=np.array(busy_max, dtype=np.float64),
+            active_us=np.array(active, dtype=np.float64),
         )
 
-    def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> LinkStats:
+    def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int, *,
+                   clock: ClockCorrection | None = None) -> LinkStats:
         params = self._window_params(job, attempt, start_us, end_us)
-        rows = self._query(self._sql(q.SQL_LINK_STATS), params) if params else []
+        rows = (self._query(self._aligned(q.SQL_LINK_STATS, params, clock), params)
+                if params else [])
         src, dst, n, mean, most = columns_of(rows, 5)
         return LinkStats(
             src=np.array(src, dtype=np.int64), dst=np.array(dst, dtype=np.int64),
@@ -276,33 +313,63 @@ class SqlTraceStore(abc.ABC):
             transfer_max_us=np.array(most, dtype=np.float64),
         )
 
-    def disagreements(
-        self, job: JobId, attempt: int, start_us: int, end_us: int, limit: int = 100
-    ) -> list[Disagreement]:
+    def clock_readings(self, job: JobId, since_us: int) -> list[ClockReading]:
+        return self._read(ClockReading, q.SQL_CLOCK_READINGS,
+                          {"job": job, "since_us": max(since_us, 0)})
+
+    def clock_samples(self, job: JobId, attempt: int, start_us: int, end_us: int,
+                      width_us: int) -> ClockSamples:
+        summaries.bucket_count(start_us, end_us, width_us)
         params = self._window_params(job, attempt, start_us, end_us)
-        if params is None or limit <= 0:
-            return []
-        rows = self._query(self._sql(q.SQL_DISAGREEMENTS), {**params, "limit": limit})
-        return [
+        rows: list[Row] = []
+        if params is not None:
+            params.update(origin_us=start_us, width_us=width_us)
+            rows = self._query(self._sql(q.SQL_CLOCK_SAMPLES), params)
+        group, node, bucket, offset, n = columns_of(rows, 5)
+        return ClockSamples(
+            group=np.array(group, dtype=np.str_), node=np.array(node, dtype=np.str_),
+            bucket=np.array(bucket, dtype=np.int64), offset_us=np.array(offset, np.float64),
+            n=np.array(n, dtype=np.int64), start_us=start_us, width_us=width_us,
+        )
+
+    def disagreements(
+        self, job: JobId, attempt: int, start_us: int, end_us: int, limit: int = 100, *,
+        uneven_ops: tuple[str, ...] = (),
+    ) -> Disagreements:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        params = self._window_params(job, attempt, start_us, end_us)
+        if params is None:
+            return Disagreements()
+        params["limit"] = limit
+        params.update({f"uneven_{i}": op for i, op in enumerate(uneven_ops)})
+        array = ("[" + ", ".join(f"{{uneven_{i}:String}}" for i in range(len(uneven_ops))) + "]"
+                 if uneven_ops else "emptyArrayString()")
+        rows = self._query(self._sql(q.SQL_DISAGREEMENTS, uneven_ops=array), params)
+        kept = [
             Disagreement(
                 group=g, seq=int(seq), ranks=tuple(int(r) for r in ranks), ops=tuple(ops),
                 nbytes=tuple(int(b) for b in sizes), dtypes=tuple(dtypes), peer_op=peer_op,
                 peer_nbytes=int(peer_nbytes), peer_dtype=peer_dtype,
                 peer_groups=int(peer_groups),
             )
-            for g, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups
-            in rows
+            for g, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups,
+            _ in rows
         ]
+        total = int(rows[0][-1]) if rows else 0
+        return Disagreements(kept, dropped=total - len(kept))
 
     def node_windows(
-        self, job: JobId, attempt: int, start_us: int, end_us: int, window_us: int
+        self, job: JobId, attempt: int, start_us: int, end_us: int, window_us: int, *,
+        clock: ClockCorrection | None = None,
     ) -> NodeWindows:
         buckets = summaries.bucket_count(start_us, end_us, window_us)
         params = self._window_params(job, attempt, start_us, end_us)
         rows: list[Row] = []
         if params is not None:
-            params.update(origin_us=start_us, window_us=window_us)
-            rows = self._query(self._sql(q.SQL_NODE_WINDOWS), params)
+            params.update(origin_us=start_us, window_us=window_us,
+                          last_bucket=max(buckets - 1, 0))
+            rows = self._query(self._aligned(q.SQL_NODE_WINDOWS, params, clock), params)
         nodes = sorted({str(r[1]) for r in rows})
         column = {node: i for i, node in enumerate(nodes)}
         features = np.full((buckets, len(nodes), len(NodeWindows.FEATURES)), np.nan)

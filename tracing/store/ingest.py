@@ -22,9 +22,10 @@ import json
 import logging
 import math
 import threading
+import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
@@ -38,8 +39,32 @@ from tracehound.tracing.wire import InvalidRecord, Rejection, decode_batch, enco
 logger = logging.getLogger(__name__)
 
 BATCHES_PATH = "/v1/batches"
+CLOCK_HEADER = "X-Tracehound-Clock"
+"""`<received_us>,<replied_us>` on the ingest endpoint's clock, in every answer to a POST."""
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest batch body accepted (413 above it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClockExchange:
+    """The four timestamps of one request (NTP's t1..t4): sent and answered on the sender's
+    clock, received and replied on the endpoint's."""
+
+    sent_us: int
+    received_us: int
+    replied_us: int
+    answered_us: int
+
+    @property
+    def offset_us(self) -> int:
+        """How far the sender's clock reads ahead of the endpoint's."""
+        return round(((self.sent_us - self.received_us) + (self.answered_us - self.replied_us))
+                     / 2)
+
+    @property
+    def delay_us(self) -> int:
+        """The round trip without the endpoint's own time: the offset is good to half of it."""
+        return max(0, (self.answered_us - self.sent_us) - (self.replied_us - self.received_us))
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +74,8 @@ class IngestResult:
     inserted: int
     skipped: int
     rejected: tuple[Rejection, ...]
+    clock: ClockExchange | None = field(default=None, compare=False)
+    """The request's timestamps, when the endpoint sent its own (not part of the outcome)."""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -62,7 +89,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None
                ) -> None:
         body = json.dumps(payload).encode()
+        received = getattr(self, "_received_us", 0)
         self.send_response(status)
+        if received:
+            # NTP's middle timestamps: the sender works out how far its clock is from ours.
+            self.send_header(CLOCK_HEADER, f"{received},{time.time_ns() // 1000}")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         for name, value in (headers or {}).items():
@@ -71,6 +102,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self) -> None:
+        self._received_us = time.time_ns() // 1000
         parts = urlsplit(self.path)
         if parts.path != BATCHES_PATH:
             self._discard_body()
@@ -213,6 +245,16 @@ def _error_text(body: bytes) -> str:
     return body[:200].decode(errors="replace")
 
 
+def _exchange(sent_us: int, header: str) -> ClockExchange | None:
+    """The request's four timestamps from the endpoint's clock header (None without one)."""
+    answered = time.time_ns() // 1000
+    parts = header.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        return None
+    return ClockExchange(sent_us=sent_us, received_us=int(parts[0]),
+                         replied_us=int(parts[1]), answered_us=answered)
+
+
 def post_batch(url: str, batch: Batch, *, maybe_duplicate: bool, timeout: float = 5.0
                ) -> IngestResult:
     """Post a batch to an ingest endpoint (`http://host:port`) and say what it did (see
@@ -237,9 +279,11 @@ def post_body(url: str, body: bytes, batch_id: str, *, maybe_duplicate: bool,
         target, data=body, method="POST",
         headers={"Content-Type": "application/json"},
     )
+    sent = time.time_ns() // 1000
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310
             body = answer.read()
+            clock = _exchange(sent, answer.headers.get(CLOCK_HEADER, ""))
     except urllib.error.HTTPError as exc:
         body = exc.read()
         status = exc.code
@@ -267,6 +311,7 @@ def post_body(url: str, body: bytes, batch_id: str, *, maybe_duplicate: bool,
             rejected=tuple(
                 Rejection(int(r["index"]), str(r["reason"])) for r in payload["rejected"]
             ),
+            clock=clock,
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise PermanentStoreError(

@@ -24,6 +24,7 @@ from tracehound.tracing.events import (
     Action,
     ActionKind,
     Batch,
+    ClockReading,
     CollectiveEvent,
     HealthSample,
     Heartbeat,
@@ -41,8 +42,10 @@ FOREVER_US = 2**63 - 1
 if TYPE_CHECKING:  # numpy is imported by the adapters, not by the port
     from tracehound.tracing.kinds import RecordBase
     from tracehound.tracing.summaries import (
+        ClockCorrection,
+        ClockSamples,
         CollectiveColumns,
-        Disagreement,
+        Disagreements,
         LinkStats,
         NodeWindows,
         RankStats,
@@ -108,24 +111,43 @@ class TraceStore(Protocol):
         """Every job with records or incidents, sorted."""
         ...
 
-    def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> RankStats:
+    def rank_stats(self, job: JobId, attempt: int, start_us: int, end_us: int, *,
+                   clock: ClockCorrection | None = None) -> RankStats:
         """Per-rank arrival statistics of the window [start_us, end_us), computed by the store
-        (definitions: `tracing.summaries`)."""
+        (definitions: `tracing.summaries`), on node clocks corrected by `clock` when given."""
         ...
 
-    def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int) -> LinkStats:
+    def link_stats(self, job: JobId, attempt: int, start_us: int, end_us: int, *,
+                   clock: ClockCorrection | None = None) -> LinkStats:
         """Per-(src, dst) point-to-point transfer statistics of the window."""
         ...
 
+    def clock_readings(self, job: JobId, since_us: int) -> list[ClockReading]:
+        """Per node of the job, its node agent's most exact clock reading (shortest round
+        trip) taken at or after `since_us`, ordered by node."""
+        ...
+
+    def clock_samples(self, job: JobId, attempt: int, start_us: int, end_us: int,
+                      width_us: int) -> ClockSamples:
+        """Per (group, node, bucket of `width_us`): how far the node's completion times sit
+        from those of its collectives' other members: what node clock offsets are estimated
+        from."""
+        ...
+
     def disagreements(
-        self, job: JobId, attempt: int, start_us: int, end_us: int, limit: int = 100
-    ) -> list[Disagreement]:
-        """The first `limit` collectives of the window, by (group, seq), whose ranks disagree on
-        op, nbytes or dtype."""
+        self, job: JobId, attempt: int, start_us: int, end_us: int, limit: int = 100, *,
+        uneven_ops: tuple[str, ...] = (),
+    ) -> Disagreements:
+        """The first `limit` (at least 1) collectives of the window, in group order then by
+        seq, whose ranks disagree on op, nbytes or dtype, and how many more there were
+        (`Disagreements.dropped`). A collective of one op of `uneven_ops` and one dtype whose
+        sizes alone differ is no disagreement and never counts against the limit (the op names
+        are bound values, never formatted into SQL)."""
         ...
 
     def node_windows(
-        self, job: JobId, attempt: int, start_us: int, end_us: int, window_us: int
+        self, job: JobId, attempt: int, start_us: int, end_us: int, window_us: int, *,
+        clock: ClockCorrection | None = None,
     ) -> NodeWindows:
         """Per-node arrival features in consecutive windows of `window_us` from `start_us`."""
         ...

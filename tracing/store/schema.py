@@ -21,6 +21,7 @@ from tracehound.tracing import kinds
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.events import (
     Action,
+    ClockReading,
     CollectiveEvent,
     HealthSample,
     Heartbeat,
@@ -112,10 +113,22 @@ HEARTBEATS = table_of(Heartbeat)
 PROCESS_GROUPS = table_of(ProcessGroupInfo)
 RANK_EXITS = table_of(RankExit)
 HEALTH = table_of(HealthSample)
+CLOCK_READINGS = table_of(ClockReading)
 STACKS = table_of(StackSample)
 PROCESSES = table_of(ProcessSample)
 INCIDENTS = table_of(Incident)
 ACTIONS = table_of(Action)
+
+
+def add_column_statement(database: str, table: Table, column: Column) -> str:
+    """The ALTER TABLE that adds `column` (declared, missing from an older store) to `table`."""
+    check_identifier(database)
+    check_identifier(table.name)
+    check_identifier(column.name)
+    if not _TYPE.fullmatch(column.type):
+        raise StoreConfigError(f"column {table.name}.{column.name}: unsupported type "
+                               f"{column.type!r}")
+    return f"ALTER TABLE {database}.{table.name} ADD COLUMN {column.name} {column.type}"
 
 
 def create_statements(database: str) -> list[str]:

@@ -16,6 +16,7 @@ from tracehound.tracing import summaries
 from tracehound.tracing.events import CollectiveState
 from tracehound.tracing.store.schema import (
     ACTIONS,
+    CLOCK_READINGS,
     COLLECTIVES,
     HEALTH,
     HEARTBEATS,
@@ -110,6 +111,15 @@ ORDER BY rank, time_us DESC
 LIMIT 1 BY rank
 """
 
+# Per node the reading with the shortest round trip since `since_us` (the most exact one).
+SQL_CLOCK_READINGS = """
+SELECT {columns}
+FROM {db}.clock_readings
+WHERE job = {job:String} AND time_us >= {since_us:UInt64}
+ORDER BY node, delay_us, time_us DESC
+LIMIT 1 BY node
+"""
+
 # `{nodes}` becomes one `{node_<i>:String}` placeholder per node asked about.
 SQL_HEALTH = """
 SELECT {columns}
@@ -126,9 +136,10 @@ ORDER BY time_us, node, device, metric, source, job
 # as parallel arrays, which ARRAY JOIN turns back into rows (no self-join needed).
 
 _ARRIVALS = """(
-    SELECT min(enqueue_us) AS first_us, max(enqueue_us) AS last_us,
-           groupArray(MEMBER) AS members, groupArray(enqueue_us) AS enqueues,
-           groupArray(complete_us) AS completes
+    SELECT min({enq}) AS first_us, max({enq}) AS last_us,
+           arrayElement(arrayReverseSort(groupArray({enq})), 2) AS second_us,
+           groupArray(MEMBER) AS members, groupArray({enq}) AS enqueues,
+           groupArray({cmp}) AS completes
     FROM {db}.collectives
     WHERE job = {job:String} AND attempt = {attempt:UInt32}
       AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
@@ -136,25 +147,49 @@ _ARRIVALS = """(
     GROUP BY group_id, seq
     HAVING count() >= 2
 )"""
-"""Per (group, seq) of the collective rows that count: first and last arrival, and each member's
-MEMBER (rank or node), arrival and completion as parallel arrays."""
+"""Per (group, seq) of the collective rows that count: first, second latest and last arrival,
+and each member's MEMBER (rank or node), arrival and completion as parallel arrays. `{enq}` and
+`{cmp}` are the rows' enqueue and completion times as Int64, clock-corrected or not
+(`aligned_time`)."""
 
 SQL_RANK_STATS = """
-SELECT rank, count() AS n, avg(toInt64(enqueue) - toInt64(first_us)) AS lateness_mean_us,
-       countIf(enqueue = last_us) AS last_count,
-       avg(toInt64(complete) - toInt64(enqueue)) AS wait_mean_us,
-       toInt64(max(enqueue)) - toInt64(min(enqueue)) AS span_us
-FROM """ + _ARRIVALS.replace("MEMBER", "rank") + """
-ARRAY JOIN members AS rank, enqueues AS enqueue, completes AS complete
-GROUP BY rank
+SELECT rank, n, lateness_mean_us, last_count, wait_mean_us, span_us, blame_us,
+       busy_us, busy_max_us, active_us
+FROM (
+    SELECT rank, count() AS n, avg(enqueue - first_us) AS lateness_mean_us,
+           countIf(enqueue = last_us) AS last_count,
+           avg(complete - enqueue) AS wait_mean_us,
+           max(enqueue) - min(enqueue) AS span_us,
+           sum(if(enqueue = last_us AND second_us < last_us, enqueue - second_us, 0))
+               AS blame_us
+    FROM """ + _ARRIVALS.replace("MEMBER", "rank") + """
+    ARRAY JOIN members AS rank, enqueues AS enqueue, completes AS complete
+    GROUP BY rank
+) AS arrivals
+ANY LEFT JOIN (
+    SELECT rank, arraySum(gaps) AS busy_us,
+           if(empty(gaps), toInt64(0), arrayReduce('max', gaps)) AS busy_max_us, active_us
+    FROM (
+        SELECT rank, arraySort(groupArray((toInt64(enqueue_us), toInt64(complete_us)))) AS ops,
+               arrayMap((a, b) -> greatest(tupleElement(a, 1) - tupleElement(b, 2), toInt64(0)),
+                        arrayPopFront(ops), arrayPopBack(ops)) AS gaps,
+               toInt64(max(complete_us)) - toInt64(min(enqueue_us)) AS active_us
+        FROM {db}.collectives
+        WHERE job = {job:String} AND attempt = {attempt:UInt32}
+          AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+          AND state = {completed:String}
+        GROUP BY rank
+    )
+) AS own USING rank
 ORDER BY rank
-"""
+"""  # noqa: S608 (constant texts joined at import; values are bound)
 
 SQL_NODE_WINDOWS = """
-SELECT intDiv(toInt64(enqueue) - {origin_us:Int64}, {window_us:Int64}) AS bucket, node,
-       avg(toInt64(enqueue) - toInt64(first_us)) AS lateness_mean_us,
+SELECT least(greatest(intDiv(enqueue - {origin_us:Int64}, {window_us:Int64}), 0),
+             {last_bucket:Int64}) AS bucket, node,
+       avg(enqueue - first_us) AS lateness_mean_us,
        countIf(enqueue = last_us) / count() AS last_fraction,
-       avg(toInt64(complete) - toInt64(enqueue)) AS wait_mean_us
+       avg(complete - enqueue) AS wait_mean_us
 FROM """ + _ARRIVALS.replace("MEMBER", "node") + """
 ARRAY JOIN members AS node, enqueues AS enqueue, completes AS complete
 GROUP BY bucket, node
@@ -167,7 +202,7 @@ SELECT src, dst, count() AS n, avg(transfer_us) AS transfer_mean_us,
 FROM (
     SELECT anyIf(rank, op IN ({send_op:String}, {isend_op:String})) AS src,
            anyIf(rank, op IN ({recv_op:String}, {irecv_op:String})) AS dst,
-           toInt64(max(complete_us)) - toInt64(max(enqueue_us)) AS transfer_us
+           max({cmp}) - max({enq}) AS transfer_us
     FROM {db}.collectives
     WHERE job = {job:String} AND attempt = {attempt:UInt32}
       AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
@@ -181,12 +216,75 @@ GROUP BY src, dst
 ORDER BY src, dst
 """
 
-# DISAGREEMENTS: the first `limit` disagreeing (group, seq), LEFT JOINed on (seq, members) with
-# the siblings' reference: per (seq, members, key) the number of agreeing (group, seq), the top
-# key per (seq, members) by LIMIT 1 BY (so ANY and ALL join alike). Without a sibling the LEFT
-# JOIN gives the column defaults '' and 0 (join_use_nulls stays off on both engines).
+_SYMMETRIC = ", ".join(f"{{sym_op_{i}:String}}" for i in range(len(summaries.SYMMETRIC_OPS)))
+
+SQL_CLOCK_SAMPLES = """
+SELECT group_id, node, intDiv(toInt64(center) - {origin_us:Int64}, {width_us:Int64}) AS bucket,
+       quantileExact(0.5)(toInt64(complete) - toInt64(center)) AS offset_us, count() AS n
+FROM (
+    SELECT group_id, seq, quantileExact(0.5)(complete_us) AS center,
+           groupArray(node) AS nodes, groupArray(complete_us) AS completes
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND state = {completed:String}
+      AND ((position(group_id, {p2p:String}) = 0 AND op IN (""" + _SYMMETRIC + """))
+           OR (position(group_id, {p2p:String}) > 0
+               AND op IN ({send_op:String}, {isend_op:String}, {recv_op:String},
+                          {irecv_op:String})))
+    GROUP BY group_id, seq
+    HAVING uniqExact(node) >= 2
+)
+ARRAY JOIN nodes AS node, completes AS complete
+GROUP BY group_id, node, bucket
+ORDER BY group_id, node, bucket
+"""  # noqa: S608 (constant texts joined at import; values are bound)
+"""Per (group, node, bucket): how far the node's completions sit from its collectives' upper
+median completion (definitions: tracing/summaries.py ClockSamples)."""
+
+
+def aligned_time(column: str, nodes: int) -> str:
+    """`column` (enqueue_us or complete_us) as Int64 on the common clock, with one
+    `{clk_node_<i>:String}`, `{clk_off_<i>:Float64}` and `{clk_drift_<i>:Float64}` placeholder per
+    corrected node and `{clk_ref:Int64}`; the column as it is when no node is corrected."""
+    if column not in ("enqueue_us", "complete_us"):
+        raise ValueError(f"cannot align column {column!r}")
+    if nodes == 0:
+        return f"toInt64({column})"
+    names = ", ".join(f"{{clk_node_{i}:String}}" for i in range(nodes))
+    offsets = ", ".join(f"{{clk_off_{i}:Float64}}" for i in range(nodes))
+    drifts = ", ".join(f"{{clk_drift_{i}:Float64}}" for i in range(nodes))
+    return (
+        f"(toInt64({column}) - toInt64(floor("
+        f"transform(node, [{names}], [{offsets}], toFloat64(0)) + "
+        f"transform(node, [{names}], [{drifts}], toFloat64(0)) * "
+        f"toFloat64(toInt64({column}) - {{clk_ref:Int64}}))))"
+    )
+
+
+# DISAGREEMENTS: the first `limit` disagreeing (group, seq) in group order (lengthUTF8, then
+# bytes: see `summaries.group_order`), LEFT JOINed on (seq, members) with the siblings'
+# reference: per (seq, members, key) the number of agreeing (group, seq), the top key per (seq,
+# members) by LIMIT 1 BY (so ANY and ALL join alike). Without a sibling the LEFT JOIN gives the
+# column defaults '' and 0 (join_use_nulls stays off on both engines). A (group, seq) of one op
+# in `{uneven_ops}` and one dtype, whose sizes alone differ, is uneven by design and is left out
+# before the limit. `{uneven_ops}` becomes an array of one `{uneven_<i>:String}` placeholder per
+# op, or `emptyArrayString()` without any (`has([], x)` is a type error on 18.16). `total`
+# counts every disagreeing (group, seq) before the limit, in a scalar subquery with the same
+# WHERE and HAVING (18.16 has no window functions), so the caller can say how many the limit
+# dropped.
 SQL_DISAGREEMENTS = """
-SELECT group_id, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups
+SELECT group_id, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups,
+       (SELECT count() FROM (
+            SELECT seq
+            FROM {db}.collectives
+            WHERE job = {job:String} AND attempt = {attempt:UInt32}
+              AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+              AND position(group_id, {p2p:String}) = 0
+            GROUP BY group_id, seq
+            HAVING uniqExact(op) > 1 OR uniqExact(dtype) > 1
+                OR (uniqExact(nbytes) > 1 AND NOT has({uneven_ops}, any(op)))
+       )) AS total
 FROM (
     SELECT group_id, seq, count() AS members, arraySort(groupArray(rank)) AS ranks,
            arraySort((x, r) -> r, groupArray(op), groupArray(rank)) AS ops,
@@ -197,8 +295,9 @@ FROM (
       AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
       AND position(group_id, {p2p:String}) = 0
     GROUP BY group_id, seq
-    HAVING uniqExact(op) > 1 OR uniqExact(nbytes) > 1 OR uniqExact(dtype) > 1
-    ORDER BY group_id, seq
+    HAVING uniqExact(op) > 1 OR uniqExact(dtype) > 1
+        OR (uniqExact(nbytes) > 1 AND NOT has({uneven_ops}, any(op)))
+    ORDER BY lengthUTF8(group_id), group_id, seq
     LIMIT {limit:UInt64}
 ) AS disagreeing
 ANY LEFT JOIN (
@@ -217,10 +316,11 @@ ANY LEFT JOIN (
     ORDER BY seq, members, peer_groups DESC, peer_op, peer_nbytes, peer_dtype
     LIMIT 1 BY seq, members
 ) AS siblings USING (seq, members)
-ORDER BY group_id, seq
+ORDER BY lengthUTF8(group_id), group_id, seq
 """
 
-SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGREEMENTS)
+SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGREEMENTS,
+                   SQL_CLOCK_SAMPLES)
 """The window summary texts (the schema tests check them for the portable subset)."""
 
 SUMMARY_CONSTANTS: dict[str, Param] = {
@@ -230,8 +330,13 @@ SUMMARY_CONSTANTS: dict[str, Param] = {
     "isend_op": summaries.SEND_OPS[1],
     "recv_op": summaries.RECV_OPS[0],
     "irecv_op": summaries.RECV_OPS[1],
+    **{f"sym_op_{i}": op for i, op in enumerate(summaries.SYMMETRIC_OPS)},
 }
 """The fixed values the summary queries compare with, bound like any other value."""
+
+SQL_TABLE_COLUMNS = """
+SELECT name FROM system.columns WHERE database = {database:String} AND table = {table:String}
+"""
 
 SQL_BATCH_COUNT = "SELECT count() FROM {db}.{table} WHERE batch_id = {batch_id:String}"
 SQL_BATCH_KEYS = "SELECT {key} FROM {db}.{table} WHERE batch_id = {batch_id:String}"
@@ -254,6 +359,7 @@ READ_QUERIES: dict[str, tuple[Table, str]] = {
     "latest_stacks": (STACKS, SQL_LATEST_SINCE),
     "latest_processes": (PROCESSES, SQL_LATEST_SINCE),
     "health": (HEALTH, SQL_HEALTH),
+    "clock_readings": (CLOCK_READINGS, SQL_CLOCK_READINGS),
 }
 """The queries that read whole records back, with their table (checked against the schema)."""
 
