@@ -1,5 +1,6 @@
-"""Small pure helpers shared by the detectors: who runs where, who is in which group, robust
-statistics, and the wording of evidence.
+"""Small pure helpers shared by the detectors: who runs where, who is in which group, which
+ranks do the same work, how much each rank computes against them, robust statistics, and the
+wording of evidence.
 
 Never does I/O and never reads the clock; everything comes from the snapshot or the arrays passed
 in. Lookups are built once per call in O(ranks), so that detectors stay linear at 10,000 ranks.
@@ -7,13 +8,23 @@ in. Lookups are built once per call in O(ranks), so that detectors stay linear a
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from tracehound.analysis.snapshot import JobSnapshot
-from tracehound.tracing.summaries import F64, P2P_MARK, RECV_OPS, SEND_OPS, RankStats
+from tracehound.tracing.summaries import (
+    F64,
+    I64,
+    P2P_MARK,
+    RECV_OPS,
+    SEND_OPS,
+    LinkStats,
+    RankStats,
+)
 
 US_PER_S = 1_000_000
 
@@ -111,6 +122,14 @@ def ms(us: float) -> str:
     return f"{value:.1f} ms" if abs(value) >= 10 else f"{value:.2f} ms"
 
 
+def span(us: float) -> str:
+    """A duration in words, in seconds from 1 s on: `48.0 ms`, `1.25 s`, `23.4 s`."""
+    seconds = us / US_PER_S
+    if abs(seconds) >= 10:
+        return f"{seconds:.1f} s"
+    return f"{seconds:.2f} s" if abs(seconds) >= 1 else ms(us)
+
+
 def pct(fraction: float) -> str:
     return f"{100.0 * fraction:.0f}%"
 
@@ -125,3 +144,205 @@ def who(ranks: Sequence[int], nodes: Mapping[int, str], limit: int = 4) -> str:
 def ordered_nodes(ranks: Sequence[int], nodes: Mapping[int, str]) -> tuple[str, ...]:
     """The distinct nodes of `ranks`, in the order of their first rank (most likely first)."""
     return tuple(dict.fromkeys(nodes.get(r, "unknown") for r in ranks))
+
+
+# --- role peers and own compute -----------------------------------------------------------------
+
+_EXACT_UP_TO = 64
+"""Groups up to this size get an exact leave-one-out median; in larger ones a member's own value
+barely moves the median, which is then taken over all members."""
+
+
+def pipeline_pairs(members: Mapping[str, frozenset[int]],
+                   links: LinkStats | None) -> dict[int, set[int]]:
+    """Rank -> the ranks it exchanges point-to-point transfers with (pipeline neighbours), from
+    the two-member p2p groups among `members` (`group_members`) and the links of the window."""
+    partners: dict[int, set[int]] = {}
+
+    def pair(a: int, b: int) -> None:
+        if a != b:
+            partners.setdefault(a, set()).add(b)
+            partners.setdefault(b, set()).add(a)
+
+    for group, ranks in members.items():
+        if len(ranks) == 2 and is_p2p_group(group):
+            a, b = sorted(ranks)
+            pair(a, b)
+    if links is not None:
+        for a, b in zip(links.src.tolist(), links.dst.tolist(), strict=True):
+            pair(int(a), int(b))
+    return partners
+
+
+def pipeline_chains(partners: Mapping[int, set[int]]) -> dict[int, int]:
+    """Rank -> its pipeline (the lowest rank of its connected component in the graph of
+    point-to-point neighbours); ranks without neighbours are left out."""
+    parent: dict[int, int] = {}
+
+    def root(r: int) -> int:
+        parent.setdefault(r, r)
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for a, bs in partners.items():
+        for b in bs:
+            ra, rb = root(a), root(b)
+            if ra != rb:
+                parent[max(ra, rb)] = min(ra, rb)
+    return {r: root(r) for r in parent}
+
+
+def role_groups(snap: JobSnapshot, links: LinkStats | None, ranks: I64) -> list[I64]:
+    """The groups whose members do the same work, as positions into `ranks` (sorted; groups with
+    fewer than two of them left out): the collective groups (`collective_groups`) holding at
+    most one rank of each pipeline (`pipeline_chains`). Pipeline stages differ in their work
+    (the first holds the embedding, the last the loss); tensor and data parallel groups hold one
+    rank of each of their pipelines, all of one stage, while pipeline, embedding, model
+    parallel and world groups hold several ranks of one pipeline. In a job without pipeline
+    every group does the same work."""
+    everyone = group_members(snap)
+    chain = pipeline_chains(pipeline_pairs(everyone, links))
+    out: list[I64] = []
+    seen: set[frozenset[int]] = set()
+    for members in collective_groups(snap, everyone).values():
+        if members in seen:
+            continue
+        seen.add(members)
+        chains = [chain[r] for r in members if r in chain]
+        if len(chains) != len(set(chains)):
+            continue  # two ranks of one pipeline: the group spans stages
+        wanted = np.fromiter(sorted(members), dtype=np.int64, count=len(members))
+        pos = np.searchsorted(ranks, wanted)
+        present = pos < ranks.shape[0]
+        present[present] = ranks[pos[present]] == wanted[present]
+        if int(present.sum()) >= 2:
+            out.append(pos[present].astype(np.int64))
+    return out
+
+
+def peer_median(values: F64, judged: npt.NDArray[np.bool_], groups: Sequence[I64]) -> F64:
+    """Per position of `values`: the median of its role peers' values (`role_groups`), pooled
+    over its groups: each group's median of its other judged members, weighted by how many
+    they are (so a one-member view of a small group does not outweigh a large group); the
+    median of every judged value where no group gives one. NaN when nothing is judged."""
+    masked = np.where(judged, values, np.nan)
+    by_size: dict[int, list[I64]] = {}
+    for g in groups:
+        by_size.setdefault(int(g.shape[0]), []).append(g)
+    where: list[I64] = []
+    medians: list[F64] = []
+    weights: list[F64] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: groups nobody judged in
+        for size, gs in by_size.items():
+            pos = np.stack(gs)
+            vals = masked[pos]
+            count = (~np.isnan(vals)).sum(axis=1).astype(np.float64)
+            if size <= _EXACT_UP_TO:
+                for j in range(size):
+                    where.append(pos[:, j])
+                    medians.append(np.nanmedian(np.delete(vals, j, axis=1), axis=1))
+                    weights.append(count - ~np.isnan(vals[:, j]))
+            else:
+                med = np.nanmedian(vals, axis=1)
+                where.append(pos.ravel())
+                medians.append(np.repeat(med, size))
+                weights.append(np.repeat(count, size))
+    ref = np.full(values.shape, np.nan)
+    if where:
+        at, med, weight = np.concatenate(where), np.concatenate(medians), np.concatenate(weights)
+        keep = ~np.isnan(med) & (weight > 0)
+        at, med, weight = at[keep], med[keep], weight[keep]
+        order = np.lexsort((med, at))
+        at, med, weight = at[order], med[order], weight[order]
+        if at.size:
+            starts = np.flatnonzero(np.r_[True, at[1:] != at[:-1]])
+            total = np.add.reduceat(weight, starts)
+            before = np.repeat(np.cumsum(weight)[starts] - weight[starts], np.diff(
+                np.r_[starts, at.size]))
+            reached = np.cumsum(weight) - before >= np.repeat(total / 2.0, np.diff(
+                np.r_[starts, at.size]))
+            # the first value of each position at which half its peers' weight is reached
+            first = np.flatnonzero(reached & np.r_[True, ~(reached[:-1] & (at[1:] == at[:-1]))])
+            ref[at[first]] = med[first]
+    if judged.any():
+        ref = np.where(np.isnan(ref), float(np.median(values[judged])), ref)
+    return ref
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class OwnTime:
+    """Per rank of a RankStats (same positions): the time it spent outside its operations (its
+    compute, as the trace sees it) against the peers that do the same work, and how long the
+    job waited on it alone. See `own_time`."""
+
+    share: F64
+    """busy_us per us of the rank's active span."""
+    peer_share: F64
+    """The share of its role peers (`peer_median`)."""
+    longest_ratio: F64
+    """Its longest gap between operations over its peers' (`peer_median`)."""
+    rest_ratio: F64
+    """Its other gaps, as a share of its active span, over its peers'."""
+    ratio: F64
+    """How much longer it computes than its peers: the lesser of the two ratios (1.0 for a rank
+    that computes like its peers)."""
+    excess_us: F64
+    """(ratio - 1) x its peers' busy time over its active span: the compute it adds."""
+    rest_excess_us: F64
+    """How much longer its other gaps are than its peers' (over its active span)."""
+    longest_excess_us: F64
+    """How much longer its longest gap is than its peers' longest."""
+    excess_gaps: F64
+    """rest_excess_us counted in its peers' longest gaps."""
+    peer_gaps: F64
+    """How many of their longest gaps its peers' busy time holds (about the steps of the window
+    where one gap per step dominates, more where compute is cut into many similar gaps)."""
+    blame_us: F64
+    """How long its groups waited on it alone (0 where the source has no blame column)."""
+    blame_share: F64
+    """blame_us per us active (sums over overlapping collectives: may exceed 1)."""
+    has_blame: bool
+
+
+def own_time(stats: RankStats, judged: npt.NDArray[np.bool_],
+             groups: Sequence[I64]) -> OwnTime | None:
+    """Each rank's own compute against its role peers', or None when the source has no busy
+    columns (`tracing.summaries`: busy_us, busy_max_us, active_us).
+
+    A slow GPU lengthens every gap between a rank's operations; other things lengthen one kind:
+    a one-off pause (an evaluation on rank 0, a checkpoint write, a GC pause) only the longest
+    gap, and being the last to arrive only the rest: its peers' compute then overlaps their
+    (longer) non-blocking operations, gradient buckets or posted sends, and hides from the trace,
+    while its own shows. So the rank's compute counts as longer than its peers' only as far as
+    both its longest gap (against its peers' longest) and its other gaps (as a share of its
+    active span, against its peers' share) are longer: the lesser ratio. How much longer its
+    other gaps are in all, counted in its peers' longest gaps (`excess_gaps`), says whether more
+    than one step shows it: a pause, or one step of being last after it, adds one or two."""
+    if stats.busy_us is None or stats.busy_max_us is None or stats.active_us is None:
+        return None
+    busy = np.asarray(stats.busy_us, dtype=np.float64)
+    longest = np.minimum(np.asarray(stats.busy_max_us, dtype=np.float64), busy)
+    active = np.maximum(np.asarray(stats.active_us, dtype=np.float64), 1.0)
+    rest = (busy - longest) / active
+    peer_rest = peer_median(rest, judged, groups)
+    rest_ratio = np.divide(rest, peer_rest, out=np.ones_like(rest), where=peer_rest > 0)
+    peer_longest = peer_median(longest, judged, groups)
+    longest_ratio = np.divide(longest, peer_longest, out=np.ones_like(longest),
+                              where=peer_longest > 0)
+    ratio = np.minimum(rest_ratio, longest_ratio)
+    share = busy / active
+    peer_share = peer_median(share, judged, groups)
+    unit = np.maximum(peer_longest, 1.0)
+    blame = (np.zeros_like(busy) if stats.blame_us is None
+             else np.asarray(stats.blame_us, dtype=np.float64))
+    rest_excess = (rest - peer_rest) * active
+    return OwnTime(
+        share=share, peer_share=peer_share, longest_ratio=longest_ratio, rest_ratio=rest_ratio,
+        ratio=ratio, excess_us=(ratio - 1.0) * peer_share * active, rest_excess_us=rest_excess,
+        longest_excess_us=longest - peer_longest, excess_gaps=rest_excess / unit,
+        peer_gaps=peer_share * active / unit,
+        blame_us=blame, blame_share=blame / active, has_blame=stats.blame_us is not None,
+    )

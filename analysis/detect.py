@@ -22,6 +22,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+import msgspec
+
+from tracehound.analysis.clocks import ClockEstimate
 from tracehound.analysis.common import group_members, ordered_nodes, rank_nodes
 from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, UNSURE, WEAK
 from tracehound.analysis.liveness import (
@@ -38,6 +41,13 @@ from tracehound.tracing.events import Heartbeat, IncidentKind, RankExit
 from tracehound.tracing.settings import DEFAULT_HEARTBEAT_S
 
 _US = 1_000_000
+
+UNEVEN_OPS = (
+    "gather", "scatter", "all_to_all", "all_to_all_single", "alltoall", "alltoall_base",
+    "all_gather_v", "reduce_scatter_v",
+)
+"""Ops whose members legitimately pass different sizes: the default of
+`DetectionSettings.mismatch_size_exempt_ops`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,16 +72,35 @@ class DetectionSettings:
     verdict over 10,000 ranks stays readable and small."""
 
     # mismatch (analysis.mismatch)
-    mismatch_size_exempt_ops: tuple[str, ...] = (
-        "gather", "scatter", "all_to_all", "all_to_all_single", "alltoall", "alltoall_base",
-        "all_gather_v", "reduce_scatter_v",
-    )
+    mismatch_size_exempt_ops: tuple[str, ...] = UNEVEN_OPS
     """Ops whose members legitimately pass different sizes (uneven splits, the root of a gather):
-    a size difference alone is no mismatch for them."""
+    a size difference alone is no mismatch for them. The store leaves such collectives out of
+    its disagreements before their limit (`load_observation(uneven_ops=...)`)."""
 
     # straggler (analysis.straggler)
+    straggler_min_excess: float = 1.15
+    """A straggler's longest gap between its operations and its other gaps (as a share of its
+    active time) are both at least this multiple of its role peers' (its compute: a slow GPU
+    lengthens both, a pause only the longest): 2-5% slower GPUs stay below, 1.3x stragglers
+    above; 1.05-1.3x is a grey zone, reported with low confidence when found, never forced."""
+    straggler_min_excess_us: float = 2_000.0
+    """...and at least this much more of it in the window (us), so that microsecond jitter of
+    a quiet job never counts..."""
+    straggler_min_excess_gaps: float = 3.0
+    """...and its gaps other than the longest add up to this many of its peers' longest gaps
+    more than theirs: a pause, or one step in which the rank arrived last (its compute, hidden
+    at its peers behind their non-blocking operations, then shows), adds one or two; a slow GPU
+    adds some in every step (fewer are asked of windows of few gaps, `analysis.straggler`)..."""
+    straggler_min_blame: float = 0.03
+    """...and its groups waited on it alone (it the only last arrival) for at least this share
+    of its active time: a slow rank nobody waits for costs the job nothing."""
+    straggler_busy_min_collectives: int = 4
+    """A rank needs this many collectives in the window to be judged on its compute (a window
+    of 23-second steps holds about four)."""
     straggler_min_collectives: int = 20
-    """A rank needs this many collectives in the window to be judged."""
+    """Without the busy columns (an older source), a rank needs this many collectives in the
+    window to be judged by its arrivals; the rest of the straggler settings below serve that
+    rule."""
     straggler_min_last_z: float = 6.0
     """How far (binomial z-score) a rank's count of last arrivals must exceed what the median
     rank's rate predicts. Healthy ranks of 10,000 stay below 5."""
@@ -85,6 +114,23 @@ class DetectionSettings:
     straggler_min_slowdown: float = 0.1
     """...and by this share of the median rank's time between collectives (its compute): a GPU
     2-5% slower than its peers is last often too but costs little; one 20% slower is evicted."""
+    straggler_consistent_ratio: float = 6.0
+    """A compute straggler is also last at this multiple of the median rank's share of its
+    collectives (or at half of those the median rank is not last at): in a
+    data-parallel window of 1,500 collectives over 64 ranks, a healthy rank hit by more
+    heavy-tailed slow moments than its peers is last up to about 5x its share."""
+    straggler_min_step_cost: float = 0.05
+    """A compute straggler's extra compute per training step (from the heartbeats' step times)
+    is at least this share of a step. Where collectives overlap compute (gradient buckets)
+    busy time understates it: a 1.3x straggler's shows as 5-15% of a step."""
+    straggler_min_lag: float = 0.1
+    """...and its groups waited on it, on average over the collectives it arrived last at, at
+    least this share of a step: a GPU 2-6% slower than its peers is last at many collectives
+    but by a few percent of a step and is no straggler to act on; one 1.3x slower keeps the job
+    waiting 12-40% of a step."""
+    straggler_consistent_margin: float = 0.1
+    """...or, whichever is less, last at this share of its collectives more than the median
+    rank."""
     straggler_shadow_ratio: float = 0.7
     """A candidate sharing a group with a stronger one (later on average, last more often) is its
     shadow (it waited for the straggler in one group, then arrived late in the next) unless its
@@ -109,7 +155,13 @@ class DetectionSettings:
 
     # hardware (analysis.hardware)
     health_slack_s: float = 30.0
-    """Health events this long before the window (or after it) still count as coinciding."""
+    """Health events this long before the window (or after it) still count as coinciding; for a
+    stop, this long before the culprits' last activity or after their peers started waiting."""
+    health_gpu_by_local_rank: bool = True
+    """A rank drives the GPU of its index among its node's ranks (torchrun's LOCAL_RANK as
+    `cuda:LOCAL_RANK`), so a GPU's health sample explains only its own rank's slowness or stop.
+    Turn off for jobs that map devices otherwise (a CUDA_VISIBLE_DEVICES per rank, several GPUs
+    per process): samples then match at node level, with one notch less confidence."""
 
     # silent hang (analysis.stacks)
     step_stall_factor: float = 10.0
@@ -187,9 +239,40 @@ def _last_collective(hb: Heartbeat, exit_: RankExit) -> Evidence | None:
     )
 
 
-def detect_crash(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | None:
-    """The first rank to exit with a failure, once the exits have settled."""
-    failures = sorted((e for e in snap.exits if _failed(e)), key=lambda e: (e.time_us, e.rank))
+def _on_common_clock(exits: Iterable[RankExit], clocks: ClockEstimate | None) -> list[RankExit]:
+    """Exits with their times moved onto the job's common clock where their node's offset is
+    estimated (exit records are written on the node's own clock)."""
+    if clocks is None or not clocks.nodes:
+        return list(exits)
+    out = []
+    for e in exits:
+        known = clocks.of(str(e.node))
+        if known is None:
+            out.append(e)
+            continue
+        i = clocks.nodes.index(str(e.node))
+        correction = known[0] + clocks.drift_ppm[i] * (e.time_us - clocks.ref_us) / _US
+        out.append(msgspec.structs.replace(e, time_us=max(0, e.time_us - round(correction))))
+    return out
+
+
+def _clock_error_us(clocks: ClockEstimate | None, *nodes: str) -> float:
+    """How uncertain the order of events on `nodes` is from their clocks alone: the sum of the
+    two largest uncertainties of the nodes' offsets (nodes without an estimate: 0)."""
+    if clocks is None:
+        return 0.0
+    errors = sorted((k[1] for n in set(nodes) if (k := clocks.of(n)) is not None),
+                    reverse=True)
+    return float(sum(errors[:2]))
+
+
+def detect_crash(snap: JobSnapshot, settings: DetectionSettings,
+                 clocks: ClockEstimate | None = None) -> Verdict | None:
+    """The first rank to exit with a failure, once the exits have settled. With `clocks`,
+    exits are ordered on the common clock, and exits closer than the clocks' uncertainty cannot
+    be ordered."""
+    failures = sorted((e for e in _on_common_clock(snap.exits, clocks) if _failed(e)),
+                      key=lambda e: (e.time_us, e.rank))
     if not failures:
         return None
     first = failures[0]
@@ -197,13 +280,17 @@ def detect_crash(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | No
         return None
     culprits = [first]
     # Exits within the clock's resolution of each other cannot be ordered: name them all.
-    culprits += [e for e in failures[1:] if e.time_us - first.time_us <= 1_000]
+    culprits += [
+        e for e in failures[1:]
+        if e.time_us - first.time_us <= max(1_000.0, _clock_error_us(clocks, first.node, e.node))
+    ]
     gap_us = (
         failures[len(culprits)].time_us - first.time_us if len(failures) > len(culprits) else None
     )
+    margin = _clock_error_us(clocks, *(str(e.node) for e in failures[:len(culprits) + 1]))
     if len(culprits) > 1:
         confidence = WEAK  # exits too close to order: one of them failed first
-    elif gap_us is None or gap_us >= 20_000 or first.exit_code < 0:
+    elif gap_us is None or gap_us >= 20_000 + margin or first.exit_code < 0:
         confidence = CERTAIN
     else:
         confidence = STRONG  # the next failure followed within 20 ms: its report may lag
@@ -220,6 +307,16 @@ def detect_crash(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | No
         )
         for e in failures[: settings.max_evidence]
     ]
+    if clocks is not None and clocks.nodes:
+        shown = dict.fromkeys(str(e.node) for e in failures[:3])
+        moved = [n for n in shown if (k := clocks.of(n)) is not None and abs(k[0]) >= 1_000]
+        if moved:
+            evidence.append(Evidence(
+                fact=Fact.CLOCK, rank=first.rank, node=first.node,
+                value=round(clocks.spread_us() / 1000, 3),
+                detail="exit times compared on the common clock: "
+                       + "; ".join(f"node {n} {clocks.words(n)}" for n in shown),
+            ))
     last_beat = next((hb for hb in snap.heartbeats if hb.rank == first.rank), None)
     last = _last_collective(last_beat, first) if last_beat is not None else None
     if last is not None:

@@ -9,14 +9,21 @@ evidence is:
   explains the stall better than the stall does.
 - A stall (peers wait on a rank that is alive and busy outside collectives) stands as it is
   and hides the window anomalies while it lasts; only a critical health event on the busy
-  rank's node (not a warning) turns it into a hardware verdict.
+  rank's node (not a warning) that can stop it (`analysis.hardware`: a fault of its GPU, an
+  NVLink or network link down) turns it into a hardware verdict.
 - A hang that control dependency cannot localize is handed to the stack traces (silent hang).
 - A hardware health event on the culprit node of a hang, silent hang, slow link, straggler or
-  node outlier turns that verdict into a hardware verdict on that node. Among the anomalies
-  without a hang, any one so correlated wins over the uncorrelated ones.
+  node outlier turns that verdict into a hardware verdict on that node when it is relevant to
+  the symptom: a kind that can cause it, on the culprit's GPU, near its onset (the table in
+  `analysis.hardware`). Any other warning is kept in the verdict as context evidence. Among
+  the anomalies without a hang, any one so correlated wins over the uncorrelated ones.
 - A slow node (every rank of one node late at its inter-node collectives, none of them late
-  within it) gives a hardware verdict only with a health event on that node, and only when no
-  other detector fired: a straggler or a slow link makes the nodes of its pipeline late too.
+  within it) gives a hardware verdict only with a relevant health event on that node (NVLink,
+  network, throttling, a GPU fault: not a low-grade warning), and only when no other
+  detector fired: a straggler or a slow link makes the nodes of its pipeline late too.
+- A slow link whose ranks include a straggler's is dropped: a slow GPU starts its transfers
+  late and slows them too, while a slow link leaves its ends' compute as it was
+  (`analysis.links` already leaves out links with a rank that computes markedly longer).
 - The machine-level outlier model corroborates a straggler or slow link on the node it flags
   (one notch more confidence, `analysis.confidence.STEP`, and its evidence), and stands alone
   only when nothing else fired.
@@ -33,7 +40,6 @@ from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_h
 from tracehound.analysis.hardware import (
     correlate_hardware,
     detect_slow_node,
-    health_events,
     with_health_evidence,
 )
 from tracehound.analysis.links import detect_slow_link
@@ -44,7 +50,7 @@ from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.stacks import detect_silent_hang
 from tracehound.analysis.straggler import detect_straggler
 from tracehound.analysis.verdict import Basis, Verdict
-from tracehound.tracing.events import HealthSeverity, IncidentKind
+from tracehound.tracing.events import IncidentKind
 
 _CORROBORATED = frozenset({IncidentKind.STRAGGLER, IncidentKind.SLOW_LINK})
 
@@ -73,7 +79,7 @@ def diagnose_observation(obs: Observation | JobSnapshot,
         obs = Observation.of(obs)
     settings = settings or DetectionSettings()
     snap = obs.snapshot
-    crash = detect_crash(snap, settings)
+    crash = detect_crash(snap, settings, obs.clocks)
     if crash is not None:
         return with_health_evidence(crash, obs, settings)
     mismatch = detect_mismatch(obs, settings)
@@ -83,26 +89,25 @@ def diagnose_observation(obs: Observation | JobSnapshot,
     if hang is not None:
         if hang.kind is IncidentKind.STALL:
             # A busy rank is alive: only a critical device event (a GPU fallen off the bus, an
-            # uncorrectable ECC error) on its node makes its machine the cause.
-            events = health_events(obs, settings)
-            if any(n in events and events[n][0].severity is HealthSeverity.CRITICAL
-                   for n in hang.culprit_nodes):
-                return correlate_hardware(replace(hang, kind=IncidentKind.HANG), obs,
-                                          settings) or hang
-            return hang
+            # uncorrectable ECC error) relevant to it makes its machine the cause.
+            stopped = correlate_hardware(replace(hang, kind=IncidentKind.HANG), obs, settings,
+                                         critical_only=True)
+            return stopped or with_health_evidence(hang, obs, settings)
         if hang.basis is Basis.UNLOCALIZED:
             hang = detect_silent_hang(obs, settings, stall=hang) or hang
-        return correlate_hardware(hang, obs, settings) or hang
+        stopped = correlate_hardware(hang, obs, settings)
+        return stopped or with_health_evidence(hang, obs, settings)
 
     outliers = detect_node_outliers(obs, settings)
+    link = detect_slow_link(obs, settings)
+    straggler = detect_straggler(obs, settings)
+    if link is not None and straggler is not None and (
+        set(link.culprit_ranks) & set(straggler.culprit_ranks)
+    ):
+        link = None  # a slow GPU makes its transfers look slow too: the straggler explains both
     anomalies = [
         _corroborate(v, outliers)
-        for v in (
-            detect_slow_link(obs, settings),
-            detect_straggler(obs, settings),
-            detect_silent_hang(obs, settings),
-            outliers,
-        )
+        for v in (link, straggler, detect_silent_hang(obs, settings), outliers)
         if v is not None
     ]
     for verdict in anomalies:
@@ -110,5 +115,5 @@ def diagnose_observation(obs: Observation | JobSnapshot,
         if hardware is not None:
             return hardware
     if anomalies:
-        return anomalies[0]
+        return with_health_evidence(anomalies[0], obs, settings)
     return detect_slow_node(obs, settings)

@@ -23,6 +23,13 @@ world all-reduce). Collectives of different stages may differ in size, so the or
 Otherwise the slowest link is: both its ranks, the one whose other links are slower first (the
 sender when nothing tells them apart).
 
+A slow GPU makes its transfers look slow too (its kernels start late), but it is slow at
+everything: at its own compute above all. A link with an end that computes markedly longer than
+its role peers (`analysis.straggler.compute_stragglers`: the busy time the trace shows, a
+one-off pause left out) is no evidence of a slow link and is left out before any link or node
+is judged: the straggler detector names that rank. A real slow link slows transfers and leaves
+both ends' compute as it was.
+
 Pure: numpy over the columns, no I/O, no clock.
 """
 
@@ -31,10 +38,11 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from tracehound.analysis.common import ms, rank_nodes
+from tracehound.analysis.common import ms, own_time, rank_nodes, role_groups
 from tracehound.analysis.confidence import LIKELY, STRONG, WEAK
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.straggler import compute_stragglers
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
 from tracehound.tracing.summaries import F64, I64
@@ -66,6 +74,19 @@ def _collective_time(obs: Observation, node: str, nodes: dict[int, str]) -> floa
     if not on.any():
         return 0.0
     return float((stats.wait_mean_us[on] + stats.lateness_mean_us[on]).mean())
+
+
+def _slow_computing(obs: Observation, settings: DetectionSettings) -> set[int]:
+    """The ranks that compute markedly longer than their role peers (empty without rank
+    statistics or their busy columns)."""
+    stats = obs.ranks
+    if stats is None:
+        return set()
+    judged = stats.n >= settings.straggler_busy_min_collectives
+    own = own_time(stats, judged, role_groups(obs.snapshot, obs.links, stats.rank))
+    if own is None:
+        return set()
+    return {int(r) for r in stats.rank[compute_stragglers(own, judged, stats.n, settings)]}
 
 
 def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict | None:
@@ -109,6 +130,13 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
     slow = judged & (z >= settings.link_min_z) & (ratio >= settings.link_min_ratio)
     # A node is judged on all its links together, so each of them needs less margin.
     weak = judged & (z >= settings.link_min_z) & (ratio >= settings.link_node_min_ratio)
+    if not weak.any():
+        return None
+    # Links with a slow GPU at one end: slow at everything, a straggler's, not a link's.
+    computing = np.fromiter(_slow_computing(obs, settings), dtype=np.int64)
+    explained = np.isin(links.src, computing) | np.isin(links.dst, computing)
+    slow &= ~explained
+    weak &= ~explained
     if not weak.any():
         return None
 

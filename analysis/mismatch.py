@@ -5,10 +5,15 @@ majority is the culprit; Flight Recorder's own analyzer blames whichever side it
 
 1. Recorded collectives that disagree (`Observation.disagreements`): the rows of one (group, seq)
    do not share one op, size and dtype. A size difference alone does not count for ops whose
-   members legitimately pass different sizes (`DetectionSettings.mismatch_size_exempt_ops`).
+   members legitimately pass different sizes (`DetectionSettings.mismatch_size_exempt_ops`; the
+   store leaves those out before its limit). When the store's limit cut the list, the verdict
+   says how many disagreeing collectives were not read (`Observation.disagreements_dropped`).
 2. Heartbeats: members pending on the same sequence id of a group with different ops (a
-   broadcast against an all_reduce hangs everyone with equal sequence ids). Conclusive at once:
-   one sequence id is one collective on every member.
+   broadcast against an all_reduce hangs everyone with equal sequence ids), or with one op but
+   different sizes or dtypes (`GroupProgress.pending_nbytes`, `pending_dtype`: a size mismatch
+   that hangs instead of completing). Conclusive at once: one sequence id is one collective on
+   every member. Members whose heartbeats carry no dtype (older recorders) have no say on size
+   and dtype; the exempt ops' sizes are not compared.
 3. Sequence shift: every member of a group is still reporting and pending in it, a strict
    majority on one sequence id `s` for `hang_after_s`, and a minority pending on another id. The
    minority issued an extra (ahead) or a missing (behind) collective. Control dependency alone
@@ -47,7 +52,7 @@ from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import GroupProgress, IncidentKind
-from tracehound.tracing.summaries import Disagreement
+from tracehound.tracing.summaries import Disagreement, group_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +127,43 @@ def _from_disagreement(d: Disagreement, exempt: tuple[str, ...]) -> _Finding | N
     )
 
 
+def _from_pending_shapes(
+    group: str, seq: int, rows: Sequence[tuple[int, GroupProgress]], exempt: tuple[str, ...]
+) -> _Finding | None:
+    """Members pending in one collective (one sequence id, one op) that pass different sizes or
+    dtypes. Members that report no dtype have no say; sizes of exempt ops are not compared."""
+    op = rows[0][1].pending_op
+    known = [(r, g) for r, g in rows if g.pending_dtype]
+    if is_p2p_op(op) or len(known) < 2:
+        return None
+    uneven = op in exempt
+    keys = [(0 if uneven else g.pending_nbytes, g.pending_dtype) for _, g in known]
+    if len(set(keys)) < 2:
+        return None
+    counts = Counter(keys).most_common()
+    tie = counts[0][1] == counts[1][1]
+    top = counts[0][0]
+    culprits = tuple(sorted(r for (r, _), k in zip(known, keys, strict=True)
+                            if tie or k != top))
+    majority_nbytes = next(g.pending_nbytes for (_, g), k in zip(known, keys, strict=True)
+                           if k == top)
+    return _Finding(
+        group=group, seq=seq, culprits=culprits, members=len(known),
+        majority=_describe(op, majority_nbytes, top[1]),
+        theirs={r: _describe(op, g.pending_nbytes, g.pending_dtype)
+                for r, g in known if r in culprits},
+        what="dtype" if len({k[1] for k in keys}) > 1 else "size", source="pending", tie=tie,
+    )
+
+
 def _from_pending(
     group: str,
     entries: Sequence[tuple[int, GroupProgress, bool]],
     members: int,
     hang_us: int,
     now_us: int,
+    *,
+    exempt: tuple[str, ...] = (),
 ) -> list[_Finding]:
     """Findings of one group from its members' heartbeats: (rank, progress, fresh) per member
     that reported progress in the group; `members` is the group's size."""
@@ -136,10 +172,13 @@ def _from_pending(
     by_seq: dict[int, list[tuple[int, GroupProgress]]] = {}
     for r, g, _ in pending:
         by_seq.setdefault(g.last_enqueued, []).append((r, g))
-    # 2. same sequence id, different ops
+    # 2. same sequence id, different ops (or one op, different sizes or dtypes)
     for seq, rows in sorted(by_seq.items()):
         ops = [("p2p" if is_p2p_op(g.pending_op) else g.pending_op) for _, g in rows]
         if len(set(ops)) < 2:
+            shape = _from_pending_shapes(group, seq, rows, exempt)
+            if shape is not None:
+                findings.append(shape)
             continue
         counts = Counter(ops).most_common()
         tie = counts[0][1] == counts[1][1]
@@ -194,12 +233,13 @@ def _pending_findings(obs: Observation, settings: DetectionSettings) -> list[_Fi
     for info in snap.groups:
         sizes.setdefault(info.group, len(info.ranks))
     findings: list[_Finding] = []
-    for group in sorted(pending_groups):
+    for group in sorted(pending_groups, key=group_order):
         if is_p2p_group(group):
             continue
         entries = by_group[group]
         size = max(sizes.get(group, 0), len(entries))
-        findings += _from_pending(group, entries, size, hang_us, snap.now_us)
+        findings += _from_pending(group, entries, size, hang_us, snap.now_us,
+                                  exempt=settings.mismatch_size_exempt_ops)
     return findings
 
 
@@ -222,6 +262,18 @@ def _siblings_words(f: _Finding) -> str:
     return (
         f", as did {f.siblings} other groups of {f.members} members at the same sequence id"
         + (" (the group itself has no majority)" if f.by_siblings else "")
+    )
+
+
+def _hung_shape(f: _Finding) -> bool:
+    """A size or dtype difference seen in pending calls: the collective hangs."""
+    return f.source == "pending" and f.what in ("size", "dtype")
+
+
+def _dropped_words(dropped: int) -> str:
+    return (
+        f"{dropped} more disagreeing collective{'s' if dropped != 1 else ''} of the window "
+        "lay past the store's limit and were not read"
     )
 
 
@@ -274,7 +326,7 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
         culprits = sorted({r for f in decided for r in f.culprits},
                           key=lambda r: (-votes[r], r not in own, r))
         lead = min(decided, key=lambda f: (-max(votes[r] for r in f.culprits), f.by_siblings,
-                                           f.source, f.group, f.seq))
+                                           f.source, group_order(f.group), f.seq))
         minority = len(lead.culprits) / max(lead.members, 1)
         confidence = _vote_confidence(lead, minority)
     else:
@@ -289,20 +341,26 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
         confidence = LIKELY if sum(1 for r in culprits if votes[r] == top) == 1 else WEAK
     cap = settings.max_evidence
     evidence: list[Evidence] = []
-    for f in sorted(findings, key=lambda f: (f is not lead, f.tie, f.group, f.seq)):
+    dropped = obs.disagreements_dropped
+    for f in sorted(findings, key=lambda f: (f is not lead, f.tie, group_order(f.group), f.seq)):
         for r in f.culprits:
             if len(evidence) >= cap:
                 break
+            ran, waits = ("waits in", "wait in") if _hung_shape(f) else ("ran", "ran")
             detail = (
-                f"rank {r} on node {nodes.get(r, 'unknown')} ran {f.theirs[r]} as "
+                f"rank {r} on node {nodes.get(r, 'unknown')} {ran} {f.theirs[r]} as "
                 f"#{f.seq} of group {f.group} while "
                 + (
-                    f"{f.members - len(f.culprits)} of its {f.members} peers ran {f.majority}"
+                    f"{f.members - len(f.culprits)} of its {f.members} peers {waits} "
+                    f"{f.majority}"
                     if not f.tie
-                    else f"the others ran {f.majority} (no majority)"
+                    else f"the others {waits} {f.majority} (no majority)"
                 )
                 + _siblings_words(f)
             )
+            if f.source == "recorded" and dropped:
+                detail += f"; {_dropped_words(dropped)}"
+                dropped = 0
             if f.what == "sequence":
                 detail = (
                     f"rank {r} on node {nodes.get(r, 'unknown')} is pending in {f.theirs[r]} of "
@@ -328,6 +386,13 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
             f"{lead.members - len(lead.culprits)} of {lead.members} members are pending in "
             f"{lead.majority}"
         )
+    elif _hung_shape(lead):
+        summary = (
+            f"{who(ranks, nodes)} called collective #{lead.seq} of group {lead.group} with "
+            f"{_what_words(lead)} and the group hangs in it: it waits in "
+            f"{lead.theirs[lead.culprits[0]]} while {lead.members - len(lead.culprits)} of "
+            f"{lead.members} members wait in {lead.majority}"
+        )
     else:
         summary = (
             f"{who(ranks, nodes)} ran {_what_words(lead)} at collective #{lead.seq} of group "
@@ -335,6 +400,8 @@ def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | 
             f"{lead.members - len(lead.culprits)} of {lead.members} members ran {lead.majority}"
             + _siblings_words(lead)
         )
+    if obs.disagreements_dropped:
+        summary += f" ({_dropped_words(obs.disagreements_dropped)})"
     return Verdict(
         job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.MISMATCH,
         culprit_ranks=ranks, culprit_nodes=ordered_nodes(ranks, nodes), confidence=confidence,

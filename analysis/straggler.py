@@ -1,24 +1,32 @@
-"""Computation straggler: the rank that consistently arrives last at its collectives.
+"""Computation straggler: the rank that computes longer than the peers doing the same work, and
+keeps the job waiting for it.
 
-Reads `Observation.ranks` (RankStats over the detection window). A healthy rank arrives last at
-about 1/group-size of its collectives, by chance; a straggler (slower GPU, throttled clocks, a
-noisy neighbour) at most of them, and late by a consistent margin. Both must hold:
+Reads `Observation.ranks` (RankStats over the detection window). The rule has two parts, both
+needed:
 
-- consistency: its count of last arrivals exceeds what the median rank's rate predicts by
-  `straggler_min_last_z` binomial standard deviations, and its last fraction is at least
-  `straggler_min_last_fraction` and `straggler_min_last_ratio` x the median rank's;
-- magnitude: its mean lateness (arrival minus the first arrival) exceeds the median lateness of
-  the ranks it shares a group with (its pipeline stage; groups spanning most of the job left
-  out) by `straggler_min_lateness_us` and by `straggler_min_slowdown` of the median rank's time
-  between collectives (window / collectives - time inside one). Never against the whole job and
-  with no z-score: in a pipelined job lateness differs by pipeline stage far more than by noise.
-  A GPU a few percent slower than its peers is last often too, but it costs the job little: it
-  is no straggler worth evicting a node for.
+- excess compute: the time a rank spends outside its operations (`busy_us`, its compute as the
+  trace sees it) is longer than that of its role peers (`analysis.common.own_time`: the ranks
+  of its tensor and data parallel groups, never another pipeline stage) in both of its parts:
+  its longest gap (a slow GPU lengthens every gap, the longest too) and its other gaps as a
+  share of its active span (a one-off pause, an evaluation on rank 0, a checkpoint write or a
+  GC pause, lengthens only the longest), each `straggler_min_excess` x its peers', by
+  `straggler_min_excess_us` in all; and the other gaps by more than being last for one step
+  could make them (`compute_stragglers`: the peers' compute hides behind their gradient
+  buckets while the last rank's shows). A rank that waits for a slow pipeline stage waits
+  inside its operations (a receive, a collective): its compute does not grow, so the slow
+  stage is named, not the stage behind it. No count of last arrivals is needed, so plain
+  data parallel jobs (where a straggler is often last only at the first gradient bucket after
+  its backward, or not at all when others pause longer) and two-member groups are judged like
+  any other; nor a fixed number of collectives: a window of 23-second steps with four
+  collectives per rank is judged on the compute its gaps hold, with less asked of fewer gaps.
+- the job waits on it: its groups waited on it alone (`blame_us`: at collectives where it was
+  the only last arrival, the time from the second latest arrival to its own) for at least
+  `straggler_min_blame` of its active span. A GPU a few percent slower than its peers computes
+  a few percent longer and costs the job about as little; one 30% slower is evicted.
 
-Occasional spikes raise a healthy rank's mean lateness but not its count of last arrivals; a
-rank that is last by a hair every time (identical clocks) is not late. A straggler's group peers
-wait for it and then arrive late together at their next collective in another group: they are
-its shadows and are dropped when they share a group with a stronger candidate.
+Confidence grows with the margin (how much longer it computes) and with the evidence (how many
+collectives the window holds). Without the busy columns (an older source) the rank that is last
+at most of its collectives, by a margin, is the straggler (`_by_arrival`).
 
 Pure: numpy over the columns, no I/O, no clock.
 """
@@ -31,23 +39,46 @@ import numpy as np
 import numpy.typing as npt
 
 from tracehound.analysis.common import (
+    OwnTime,
     collective_interval,
     group_members,
     groups_of,
     ms,
     ordered_nodes,
+    own_time,
     pct,
     rank_nodes,
+    role_groups,
+    span,
     who,
 )
 from tracehound.analysis.confidence import CERTAIN, LIKELY, WEAK, between
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
-from tracehound.tracing.summaries import F64, I64
+from tracehound.tracing.summaries import F64, I64, RankStats
 
 _MIN_RANKS = 4
+"""The arrival rule (`_by_arrival`) needs this many judged ranks for a median to mean much."""
+_FULL_MARGIN = 0.6
+"""A rank computing this much longer than its peers (1.6x) has the full margin."""
+_HALF_EVIDENCE = 4
+"""Collectives at which the evidence counts half (sqrt(n / (n + this)) of full)."""
+_GAPS_PER_GAP = 0.8
+"""Excess of a longest gap asked per gap beyond the first in windows of few gaps, where that is
+less than `straggler_min_excess_gaps` (`_needed_gaps`)..."""
+_FEW_GAPS_PER_GAP = 0.25
+"""...and in windows of few collectives per gap, where being last hides little."""
+_PAUSES = 1.5
+"""A slow GPU spreads its excess over all its gaps, pauses put theirs in a few long ones: the
+excess of a rank's other gaps must be more than this many pauses as long as its longest gap's
+excess (a rank paused twice has a second one in its other gaps; a 1.3x straggler's other gaps
+add more than its longest one as soon as there are a few of them)."""
+_MANY_COLLECTIVES_PER_GAP = 8.0
+"""From this many collectives per gap (gradient buckets overlapping the backward), being last
+for a step can make a rank's other gaps look one or two longest gaps longer."""
 
 
 def _peer_lateness(ranks: I64, lateness: F64, judged: npt.NDArray[np.bool_], which: I64,
@@ -71,7 +102,173 @@ def _peer_lateness(ranks: I64, lateness: F64, judged: npt.NDArray[np.bool_], whi
 
 
 def detect_straggler(obs: Observation, settings: DetectionSettings) -> Verdict | None:
-    """The consistently last rank(s) of the window, or None (see the module docstring)."""
+    """The rank(s) computing longer than their role peers while the job waits on them, or None
+    (see the module docstring)."""
+    stats = obs.ranks
+    if stats is None:
+        return None
+    judged = stats.n >= settings.straggler_busy_min_collectives
+    groups = role_groups(obs.snapshot, obs.links, stats.rank)
+    own = own_time(stats, judged, groups)
+    if own is None:
+        return _by_arrival(obs, settings)
+    if int(judged.sum()) < 2:
+        return None
+    return _by_compute(obs, settings, stats, own, judged, has_groups=bool(groups),
+                       one_group=len(groups) == 1)
+
+
+def compute_stragglers(own: OwnTime, judged: npt.NDArray[np.bool_], n: I64,
+                       settings: DetectionSettings) -> npt.NDArray[np.bool_]:
+    """Per rank: whether it computes markedly longer than its role peers, whatever the job's
+    waits: its longest gap and its other gaps both `straggler_min_excess` x its peers', by
+    `straggler_min_excess_us` in all, and its other gaps longer by more than being last for a
+    step could make them (`_needed_gaps`) and than `_PAUSES` more pauses as long as its longest
+    gap's excess could (a second evaluation on rank 0, a checkpoint write). A rank slow at
+    everything, whose transfers look slow too (`analysis.links` leaves such links to this
+    detector). `n`: each rank's collectives."""
+    return (
+        judged
+        & (own.ratio >= settings.straggler_min_excess)
+        & (own.excess_us >= settings.straggler_min_excess_us)
+        & (own.excess_gaps >= _needed_gaps(own, n, settings))
+        & (own.rest_excess_us >= _PAUSES * own.longest_excess_us)
+    )
+
+
+def _needed_gaps(own: OwnTime, n: I64, settings: DetectionSettings) -> F64:
+    """How many of its peers' longest gaps a rank's other gaps must exceed theirs by.
+
+    Being last for a step shows the rank's compute that its peers hide behind their
+    non-blocking collectives (gradient buckets): up to a step's backward, one or two longest
+    gaps. That needs many collectives per gap; in windows with few (about one per compute
+    segment, as in long pipeline steps) there is little to hide behind. So: in a window whose
+    peers' busy time holds W of their longest gaps, `straggler_min_excess_gaps`, or
+    `_GAPS_PER_GAP` x (W - 1) where that is fewer (windows of few gaps, long steps), and with
+    fewer than `_MANY_COLLECTIVES_PER_GAP` collectives per gap `_FEW_GAPS_PER_GAP` x (W - 1)
+    (a rank that much slower than its peers)."""
+    gaps = np.maximum(own.peer_gaps, 1.0)
+    per_gap = np.where(n / gaps >= _MANY_COLLECTIVES_PER_GAP, _GAPS_PER_GAP, _FEW_GAPS_PER_GAP)
+    return np.minimum(settings.straggler_min_excess_gaps, per_gap * (gaps - 1.0))
+
+
+def _typical_step_us(snap: JobSnapshot) -> float:
+    """The median rank's mean step time since its first step, from the heartbeats (0 when no
+    rank has finished two steps)."""
+    per = [
+        (hb.step_us - hb.first_step_us) / (hb.step - hb.start_step - 1)
+        for hb in snap.heartbeats
+        if hb.step > hb.start_step + 1 and hb.step_us > hb.first_step_us > 0
+    ]
+    return float(np.median(per)) if per else 0.0
+
+
+def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats, own: OwnTime,
+                judged: npt.NDArray[np.bool_], *, has_groups: bool,
+                one_group: bool) -> Verdict | None:
+    """Excess compute corroborated by the job's waits (see the module docstring)."""
+    n = stats.n.astype(np.float64)
+    last = stats.last_count.astype(np.float64)
+    fraction = np.divide(last, n, out=np.zeros_like(n), where=n > 0)
+    candidate = compute_stragglers(own, judged, stats.n, settings)
+    p0 = float(np.median(fraction[judged]))
+    if own.has_blame:
+        candidate &= own.blame_share >= settings.straggler_min_blame
+        # ...and consistently: last far more often than chance makes the median rank (in a
+        # large group a rank that met more slow moments than its peers by chance is last a few
+        # times its share; a slower GPU is last at most collectives of the step it is slow in;
+        # in small groups, where the median rank is last often, a margin above it suffices)
+        candidate &= fraction >= min(settings.straggler_consistent_ratio * p0, (1.0 + p0) / 2,
+                                     p0 + settings.straggler_consistent_margin)
+    else:
+        # without blame, the arrival order corroborates: last well above the median rank
+        candidate &= fraction >= min(settings.straggler_min_last_ratio * p0, (1.0 + p0) / 2)
+    step_us = _typical_step_us(obs.snapshot)
+    if step_us > 0 and stats.active_us is not None:
+        # ...and it costs the job: its extra compute per step, as a share of a step. Where
+        # collectives overlap compute (gradient buckets) the busy time of the rank that is
+        # last counts its lag once per pending collective, so a GPU a few percent slower looks
+        # far slower than it is by the busy ratio alone; per step it costs a few percent.
+        steps = np.maximum(stats.active_us.astype(np.float64) / step_us, 1.0)
+        candidate &= own.excess_us / steps >= settings.straggler_min_step_cost * step_us
+        if own.has_blame and one_group:
+            # ...and, where every rank does the same work in one group (plain DDP), the job
+            # waits on it for a good share of a step each time it is last, not by the few
+            # percent a GPU a little slower than its peers costs at each of its many last
+            # arrivals
+            lag = own.blame_us / np.maximum(last, 1.0)
+            candidate &= lag >= settings.straggler_min_lag * step_us
+    idx = np.flatnonzero(candidate)
+    if idx.size == 0:
+        return None
+    idx = idx[np.lexsort((-own.blame_share[idx], -own.ratio[idx]))]
+    culprits = tuple(int(r) for r in stats.rank[idx])
+    nodes = rank_nodes(obs.snapshot)
+    lead = int(idx[0])
+    margin = min(1.0, (float(own.ratio[lead]) - 1.0) / _FULL_MARGIN)
+    amount = float(np.sqrt(n[lead] / (n[lead] + _HALF_EVIDENCE)))
+    confidence = between(WEAK, CERTAIN, margin * amount)
+    if len(culprits) > max(8, 0.02 * int(judged.sum())):
+        confidence = min(confidence, WEAK)  # many slow ranks: something broader than one rank
+    peers = "its role peers" if has_groups else "the job's median rank"
+
+    def words(i: int) -> str:
+        rank = int(stats.rank[i])
+        active = float(stats.active_us[i]) if stats.active_us is not None else 0.0
+        steps = f", about {active / step_us:.1f} steps" if step_us > 0 else ""
+        waited = (
+            f"; its groups waited {span(own.blame_us[i])} on it alone, at the "
+            f"{int(stats.last_count[i])} collectives it arrived last at"
+            if own.has_blame else
+            f"; it arrived last at {pct(fraction[i])} of them"
+        )
+        return (
+            f"rank {rank} on node {nodes.get(rank, 'unknown')} computes "
+            f"{own.ratio[i]:.2f}x as long as {peers} (its longest stretch between operations "
+            f"{own.longest_ratio[i]:.2f}x theirs, the others {own.rest_ratio[i]:.2f}x): outside "
+            f"its operations {pct(own.share[i])} of its time against their "
+            f"{pct(own.peer_share[i])}, about {span(own.excess_us[i])} more, over "
+            f"{int(stats.n[i])} collectives in {span(active)}{steps}{waited}"
+        )
+
+    evidence = tuple(
+        Evidence(
+            fact=Fact.LATE, rank=int(stats.rank[i]),
+            node=nodes.get(int(stats.rank[i]), "unknown"), detail=words(int(i)),
+            value=round(float(own.ratio[i]), 4),
+        )
+        for i in idx[: settings.max_evidence]
+    )
+    summary = words(lead)
+    if len(culprits) > 1:
+        summary = f"{who(culprits, nodes)} straggle; " + summary
+    return Verdict(
+        job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.STRAGGLER,
+        culprit_ranks=culprits, culprit_nodes=ordered_nodes(culprits, nodes),
+        confidence=confidence, basis=Basis.ARRIVAL_LATENESS, summary=summary,
+        evidence=evidence, observed_at_us=obs.snapshot.now_us,
+    )
+
+
+def _by_arrival(obs: Observation, settings: DetectionSettings) -> Verdict | None:
+    """The consistently last rank(s) of the window: the rule for sources without the busy
+    columns. A healthy rank arrives last at about 1/group-size of its collectives, by chance; a
+    straggler at most of them, and late by a consistent margin. Both must hold:
+
+    - consistency: its count of last arrivals exceeds what the median rank's rate predicts by
+      `straggler_min_last_z` binomial standard deviations, and its last fraction is at least
+      `straggler_min_last_fraction` and `straggler_min_last_ratio` x the median rank's (in
+      two-member groups, where that exceeds 100%, halfway from the median rank's to always);
+    - magnitude: its mean lateness (arrival minus the first arrival) exceeds the median
+      lateness of the ranks it shares a group with (its pipeline stage; groups spanning most
+      of the job left out) by `straggler_min_lateness_us` and by `straggler_min_slowdown` of
+      the median rank's time between collectives. Never against the whole job and with no
+      z-score: in a pipelined job lateness differs by pipeline stage far more than by noise.
+
+    Occasional spikes raise a healthy rank's mean lateness but not its count of last arrivals.
+    A straggler's group peers wait for it and then arrive late together at their next
+    collective in another group: they are its shadows and are dropped when they share a group
+    with a stronger candidate."""
     stats = obs.ranks
     if stats is None:
         return None
@@ -91,7 +288,7 @@ def detect_straggler(obs: Observation, settings: DetectionSettings) -> Verdict |
         judged
         & (z_last >= settings.straggler_min_last_z)
         & (fraction >= max(settings.straggler_min_last_fraction,
-                           settings.straggler_min_last_ratio * p0))
+                           min(settings.straggler_min_last_ratio * p0, (1.0 + p0) / 2)))
     )
     members = group_members(obs.snapshot)
     peer_center = _peer_lateness(stats.rank, lateness, judged, np.flatnonzero(consistent),

@@ -57,6 +57,9 @@ class Fact(enum.StrEnum):
     """The rank has been inside one operation that does not complete."""
     BUSY = "busy"
     """The rank is alive and outside collectives (checkpoint, evaluation, data loading)."""
+    CLOCK = "clock"
+    """The nodes' clocks differ: times were compared after correcting for it (offsets and
+    their uncertainty)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

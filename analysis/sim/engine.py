@@ -5,8 +5,12 @@ while (`compute`), then enters a collective with its group (`collective`) or a t
 pipeline neighbour (`p2p`). A collective completes for every member when its last member has
 entered, plus its transfer time; a rank that never enters (stuck, frozen, dead) leaves its peers
 pending, which is how one stuck rank stops its TP group, the next pipeline stage and then every
-DP replica. A `Plan` says how an injected fault perturbs these timelines; the workload decides
-which primitives a training step runs.
+DP replica. A collective issued without blocking (a DDP bucket, a prefetched ZeRO-3 gather) runs
+on the rank's communication stream, one after the other, while the rank computes on until it
+`wait`s. A send can be posted without blocking (`post`) and received later (`deliver`), which
+is how the 1F1B and interleaved pipeline schedules exchange activations. A `Plan` says how an
+injected fault perturbs these timelines, `Noise` what a healthy GPU's compute times look like;
+the workload decides which primitives a training step runs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ INF = math.inf
 Bools = npt.NDArray[np.bool_]
 
 OPS = ("all_reduce", "send", "recv", "all_gather_into_tensor", "reduce_scatter_tensor",
-       "broadcast")
+       "broadcast", "all_to_all_single")
 """The ops events are recorded with, by code."""
 DTYPES = ("bfloat16", "float32")
 """The dtypes events are recorded with, by code."""
@@ -35,10 +39,12 @@ _DT = {name: i for i, name in enumerate(DTYPES)}
 
 @dataclass(slots=True)
 class Override:
-    """One rank's different call at (family key, seq): op, size, dtype; or a skipped bucket."""
+    """One rank's different call at the `idx`-th collective of a family key in window step
+    `step`: op, size, dtype; or a skipped bucket."""
 
     key: tuple[int, int]
-    seq: int
+    step: int
+    idx: int
     rank: int
     op: str = "all_reduce"
     nbytes: int = 0
@@ -54,10 +60,13 @@ class Plan:
     """How a fault perturbs the timeline; everything default is a healthy job."""
 
     speed: dict[int, float] = field(default_factory=dict)
-    """Persistent compute multiplier per rank."""
+    """Persistent compute multiplier per rank, from `slow_from_step` on."""
     slow_from_step: int = 0
     slow_groups: dict[int, float] = field(default_factory=dict)
-    """gid -> multiplier of the time its collectives or transfers take."""
+    """gid -> multiplier of the time its collectives or transfers take, from `slow_from_step`
+    on."""
+    benign_speed: dict[int, float] = field(default_factory=dict)
+    """Compute multiplier per rank of a GPU a little slower than its peers (from the start)."""
     stop_step: int = -1
     """At the start of this step the stop times below are set (relative to the step start)."""
     stop_frac: float = 0.5
@@ -65,11 +74,33 @@ class Plan:
     """Ranks whose GPU work never finishes after the stop time (the process still runs)."""
     stop_all: tuple[int, ...] = ()
     """Ranks that do nothing at all after the stop time (frozen or dead)."""
-    stall: tuple[tuple[int, int], int, int] | None = None
-    """(family key, seq, rank): the collective of that rank's group never completes."""
+    stall: tuple[tuple[int, int], int, int, int] | None = None
+    """(family key, step, idx, rank): the `idx`-th collective of that key in window step
+    `step` never completes in that rank's group."""
     override: Override | None = None
     spike: tuple[int, int, float] | None = None
     """(rank, step, us): one long pause (GC, page cache) in one compute segment."""
+    busy: dict[int, tuple[tuple[int, ...], tuple[float, ...], str]] = field(default_factory=dict)
+    """step -> (ranks, us, phase): ranks busy outside any collective after that step (a slow
+    checkpoint write, an evaluation on rank 0) while their peers wait in the next one."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Noise:
+    """How much a healthy GPU's compute segments vary."""
+
+    jitter: float
+    """Sigma of the lognormal core on every segment."""
+    spike_p: float
+    """Chance of a short pause (5 ms and more) in any segment."""
+    tail_p: float = 0.0
+    """Chance of a heavy-tailed slowdown of a segment (Pareto, up to 3x)."""
+    pause_per_us: float = 0.0
+    """Rate of 50..200 ms pauses (GC, page cache, a noisy neighbour) per rank and us."""
+
+
+Message = tuple[F64, int, int]
+"""A posted send: the senders' enqueue times, its sequence number and its family key index."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -85,6 +116,18 @@ class Events:
     dtype: I64
     peer: I64
     enq: F64
+    comp: F64
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Floor:
+    """What forgotten events leave behind: per (rank * groups + gid), sorted, the last seq a
+    rank entered and completed in the group and when (relative)."""
+
+    key: I64
+    enq_seq: I64
+    enq: F64
+    comp_seq: I64
     comp: F64
 
 
@@ -107,15 +150,21 @@ class Engine:
     """The timelines of every rank of a layout under a plan (see the module docstring)."""
 
     def __init__(self, layout: GroupLayout, plan: Plan, rng: np.random.Generator, *,
-                 base_seq: Mapping[Family, int], jitter: float, spike_p: float) -> None:
+                 base_seq: Mapping[Family, int], noise: Noise,
+                 dp_key: tuple[int, int] = (int(Family.DP), 0)) -> None:
         topo = layout.topo
         n = topo.ranks
         self.layout, self.topo, self.plan, self.rng = layout, topo, plan, rng
         self.base_seq = dict(base_seq)
         """Per family, the last sequence number issued before the window."""
-        self.jitter, self.spike_p = jitter, spike_p
+        self.noise = noise
+        self.dp_key = dp_key
+        """The family key of the gradient collectives (where a skipped bucket shows)."""
         self.seq: dict[tuple[int, int], int] = {}
+        self._step_seq: dict[tuple[int, int], int] = {}
         self.t: F64 = 1_000.0 + rng.uniform(0.0, 2_000.0, n)
+        self.comm_free: F64 = np.zeros(n)
+        """When each rank's communication stream is free."""
         self.stop_all: F64 = np.full(n, INF)
         self.stop_compute: F64 = np.full(n, INF)
         speed = rng.normal(1.0, 0.008, n).clip(0.97, 1.03)
@@ -132,15 +181,22 @@ class Engine:
         """Per step, when each rank finished it."""
         self.stop_time = INF
         self.skipping: set[int] = set()
+        self.floor: Floor | None = None
+        """The last of the events forgotten by `forget` (None: nothing forgotten)."""
+        self.steps_forgotten = 0
+        """Steps whose `step_end` was forgotten."""
         self._chunks = _Chunks()
 
     # -- steps ----------------------------------------------------------------------------------
 
     def begin_step(self, est_step_us: float) -> None:
-        """Start a step: the fault's speeds from the first step, its stop times from its stop
+        """Start a step: the fault's speeds from its onset step, its stop times from its stop
         step (`stop_frac` of an estimated step after the median rank started it)."""
         plan = self.plan
         if self.step == 0:
+            for rank, factor in plan.benign_speed.items():
+                self.base_speed[rank] *= factor
+        if self.step == plan.slow_from_step:
             for rank, factor in plan.speed.items():
                 self.fault_speed[rank] = factor
         if self.step == plan.stop_step:
@@ -152,20 +208,73 @@ class Engine:
                 self.stop_all[r] = self.stop_time
         finite = self.t[np.isfinite(self.t)]
         self.step_start.append(float(np.median(finite)) if finite.size else INF)
+        self._step_seq = dict(self.seq)
 
     def end_step(self) -> None:
+        """End a step: wait for the communication stream, then whoever is busy after this
+        step (a checkpoint, an evaluation) is busy."""
+        self.t = np.maximum(self.t, self.comm_free)
+        busy = self.plan.busy.get(self.step)
+        if busy is not None:
+            ranks, us, phase = busy
+            idx = np.array(ranks, dtype=np.int64)
+            self._advance(idx, self.t[idx] + np.array(us), phase)
         self.step_end.append(self.t.copy())
         self.step += 1
 
     def events(self) -> Events:
         c = self._chunks
-        return Events(
+        if not c.rank:
+            empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0)
+            return Events(rank=empty_i, gid=empty_i, seq=empty_i, op=empty_i, nbytes=empty_i,
+                          dtype=empty_i, peer=empty_i, enq=empty_f, comp=empty_f)
+        ev = Events(
             rank=np.concatenate(c.rank), gid=np.concatenate(c.gid),
             seq=np.concatenate(c.seq), op=np.concatenate(c.op),
             nbytes=np.concatenate(c.nbytes), dtype=np.concatenate(c.dtype),
             peer=np.concatenate(c.peer), enq=np.concatenate(c.enq),
             comp=np.concatenate(c.comp),
         )
+        self._chunks = _Chunks(*([getattr(ev, name)] for name in _Chunks.__slots__))
+        return ev
+
+    def forget(self, before: float) -> None:
+        """Forget the events entered and completed before `before` (keeping the last seq of
+        each rank in each group in `floor`) and the steps every rank ended before it."""
+        ev = self.events()
+        old = (ev.enq < before) & (ev.comp < before)
+        if old.any():
+            ng = len(self.layout.names)
+            keys = ev.rank[old] * ng + ev.gid[old]
+            rows = np.flatnonzero(old)
+            if self.floor is not None:  # older floors lose to newer events of the same key
+                keys = np.concatenate([self.floor.key, keys])
+            order = np.lexsort((np.concatenate([self.floor.enq_seq, ev.seq[old]])
+                                if self.floor is not None else ev.seq[old], keys))
+            sk = keys[order]
+            last = np.ones(sk.shape[0], dtype=bool)
+            last[:-1] = sk[1:] != sk[:-1]
+            pick = order[last]
+
+            def take(f_old: npt.NDArray[np.generic] | None,
+                     new: npt.NDArray[np.generic]) -> npt.NDArray[np.generic]:
+                both = new if f_old is None else np.concatenate([f_old, new])
+                return both[pick]
+
+            fl = self.floor
+            seq = ev.seq[rows]
+            self.floor = Floor(
+                key=sk[last],
+                enq_seq=take(fl.enq_seq if fl else None, seq).astype(np.int64),
+                enq=take(fl.enq if fl else None, ev.enq[rows]).astype(np.float64),
+                comp_seq=take(fl.comp_seq if fl else None, seq).astype(np.int64),
+                comp=take(fl.comp if fl else None, ev.comp[rows]).astype(np.float64),
+            )
+            keep = ~old
+            self._chunks = _Chunks(*([getattr(ev, name)[keep]] for name in _Chunks.__slots__))
+        while len(self.step_end) > 2 and float(self.step_end[0].max()) < before:
+            self.step_end.pop(0)
+            self.steps_forgotten += 1
 
     # -- primitives -----------------------------------------------------------------------------
 
@@ -174,26 +283,44 @@ class Engine:
         self.seq[key] = seq
         return seq
 
-    def compute(self, ranks: I64, base_us: float, phase: str) -> None:
+    def _index_in_step(self, key: tuple[int, int], seq: int) -> int:
+        """Which collective of `key` in the current step `seq` is (0 for the first)."""
+        return seq - self._step_seq.get(key, self.base_seq[Family(key[0])]) - 1
+
+    def compute(self, ranks: I64, base_us: float | F64, phase: str) -> None:
         """Each rank of `ranks` computes for about `base_us`."""
         k = ranks.shape[0]
-        factor = self.base_speed[ranks]
-        if self.step >= self.plan.slow_from_step:
-            factor = factor * self.fault_speed[ranks]
-        dur = base_us * factor * self.rng.lognormal(0.0, self.jitter, k)
-        spikes = np.asarray(self.rng.random(k) < self.spike_p)
+        noise, rng = self.noise, self.rng
+        factor = self.base_speed[ranks] * self.fault_speed[ranks]
+        dur = base_us * factor * rng.lognormal(0.0, noise.jitter, k)
+        spikes = np.asarray(rng.random(k) < noise.spike_p)
         if spikes.any():
-            dur[spikes] += 5_000.0 + self.rng.exponential(15_000.0, int(spikes.sum()))
+            dur[spikes] += 5_000.0 + rng.exponential(15_000.0, int(spikes.sum()))
+        if noise.tail_p > 0:
+            tail = np.flatnonzero(rng.random(k) < noise.tail_p)
+            if tail.size:
+                dur[tail] *= 1.0 + np.minimum(2.0, 0.04 * (rng.pareto(1.6, tail.size) + 1.0))
+        if noise.pause_per_us > 0:
+            paused = np.flatnonzero(rng.random(k) < np.minimum(0.9, dur * noise.pause_per_us))
+            if paused.size:
+                dur[paused] += rng.uniform(50_000.0, 200_000.0, paused.size)
         self._planned_spike(ranks, dur)
+        self._advance(ranks, self.t[ranks] + dur, phase)
+
+    def _advance(self, ranks: I64, end: F64, phase: str) -> None:
+        """Ranks compute until `end`, unless their GPU work stops before."""
         start = self.t[ranks]
-        end = start + dur
         limit = np.minimum(self.stop_compute[ranks], self.stop_all[ranks])
         stuck = end > limit
         if stuck.any():
             for r in ranks[stuck & np.isfinite(start)]:
                 self.stuck_phase.setdefault(int(r), phase)
-            end[stuck] = INF
+            end = np.where(stuck, INF, end)
         self.t[ranks] = end
+
+    def wait(self, ranks: I64) -> None:
+        """Ranks wait for their communication stream (every collective they issued)."""
+        self.t[ranks] = np.maximum(self.t[ranks], self.comm_free[ranks])
 
     def _planned_spike(self, ranks: I64, dur: F64) -> None:
         """Adds the plan's one long pause to `dur` if it falls in this compute segment."""
@@ -229,27 +356,35 @@ class Engine:
     def _group_factors(self, gids: I64) -> F64:
         """The plan's time multiplier of each group of `gids` (1 for a healthy group)."""
         slow = self.plan.slow_groups
+        if not slow or self.step < self.plan.slow_from_step:
+            return np.ones(gids.shape[0])
         return np.array([slow.get(int(g), 1.0) for g in gids], dtype=np.float64)
 
     def collective(self, groups: I64, gids: I64, key: tuple[int, int], *, nbytes: int,
-                   dtype: str, base_us: F64) -> None:
-        """One collective in each of `groups` ([G, K] ranks): all_reduce unless overridden."""
+                   dtype: str, base_us: F64, op: str = "all_reduce",
+                   sizes: I64 | None = None, block: bool = True) -> F64:
+        """One collective in each of `groups` ([G, K] ranks): `op` (all_reduce) unless
+        overridden, each member passing `nbytes` (or its own size in `sizes`, [G, K]). A
+        blocking call holds its ranks until it completes; otherwise it runs on their
+        communication streams after what they issued before. Returns when it completes for
+        each member ([G * K], inf: never)."""
         seq = self._next_seq(key)
         g, k = groups.shape
         enq = self.t[groups]
         enq = np.where(enq >= self.stop_all[groups], INF, enq)
-        ops = np.full((g, k), _OP["all_reduce"], dtype=np.int64)
-        sizes = np.full((g, k), nbytes, dtype=np.int64)
+        ops = np.full((g, k), _OP[op], dtype=np.int64)
+        sizes = np.full((g, k), nbytes, dtype=np.int64) if sizes is None else sizes.copy()
         dtypes = np.full((g, k), _DT[dtype], dtype=np.int64)
         absent = self._skipped(groups, key)
-        never = self._override(groups, key, seq, ops=ops, sizes=sizes, dtypes=dtypes)
+        idx = self._index_in_step(key, seq)
+        never = self._override(groups, key, idx, ops=ops, sizes=sizes, dtypes=dtypes)
         if self.plan.stall is not None:
-            skey, sseq, srank = self.plan.stall
-            if skey == key and sseq == seq:
+            skey, sstep, sidx, srank = self.plan.stall
+            if skey == key and sstep == self.step and sidx == idx:
                 never |= (groups == srank).any(axis=1)
-        if self.plan.slow_groups:
-            base_us = base_us * self._group_factors(gids)
-        ready = np.where(absent, INF, enq).max(axis=1)
+        base_us = base_us * self._group_factors(gids)
+        start = np.maximum(enq, self.comm_free[groups])
+        ready = np.where(absent, INF, start).max(axis=1)
         dur = base_us * self.rng.lognormal(0.0, 0.05, g)
         hiccup = np.asarray(self.rng.random(g) < 0.002)
         dur[hiccup] *= self.rng.uniform(2.0, 5.0, int(hiccup.sum()))
@@ -265,12 +400,18 @@ class Engine:
             comp=comp.ravel()[present],
         )
         new_t = np.where(np.isfinite(enq), comp, INF).ravel()
-        self.t[flat[present]] = new_t[present]
+        if block:
+            self.t[flat[present]] = new_t[present]
+        else:
+            self.comm_free[flat[present]] = new_t[present]
+            self.t[flat[present]] = np.where(np.isfinite(enq.ravel()[present]),
+                                             self.t[flat[present]], INF)
+        return new_t
 
     def _skipped(self, groups: I64, key: tuple[int, int]) -> Bools:
-        """[G, K]: the members that skip this DP collective (a mismatch drawn earlier)."""
+        """[G, K]: the members that skip this gradient collective (a mismatch drawn earlier)."""
         absent = np.zeros(groups.shape, dtype=bool)
-        if self.skipping and key[0] == Family.DP:
+        if self.skipping and key == self.dp_key:
             for rank in list(self.skipping):
                 hit = np.argwhere(groups == rank)
                 if hit.size:
@@ -278,13 +419,13 @@ class Engine:
                     self.skipping.discard(rank)
         return absent
 
-    def _override(self, groups: I64, key: tuple[int, int], seq: int, *, ops: I64, sizes: I64,
-                  dtypes: I64) -> Bools:
+    def _override(self, groups: I64, key: tuple[int, int], idx: int, *, ops: I64,
+                  sizes: I64, dtypes: I64) -> Bools:
         """Applies the plan's override to this collective's calls; returns [G], the groups
         that never complete it."""
         never = np.zeros(groups.shape[0], dtype=bool)
         o = self.plan.override
-        if o is None or o.key != key or o.seq != seq:
+        if o is None or o.key != key or o.step != self.step or o.idx != idx:
             return never
         hit = np.argwhere(groups == o.rank)
         if hit.size:
@@ -300,13 +441,23 @@ class Engine:
     def p2p(self, senders: I64, receivers: I64, gids: I64, key: tuple[int, int], *,
             nbytes: int, base_us: float) -> None:
         """One blocking transfer per (sender, receiver) pair."""
-        seq = self._next_seq(key)
-        k = senders.shape[0]
+        msg = self.post(senders, key)
+        self.deliver(msg, senders, receivers, gids, nbytes=nbytes, base_us=base_us,
+                     block_sender=True)
+
+    def post(self, senders: I64, key: tuple[int, int]) -> Message:
+        """Senders post a send without waiting for it (its receiver takes it in `deliver`)."""
         es = self.t[senders]
-        es = np.where(es >= self.stop_all[senders], INF, es)
+        return np.where(es >= self.stop_all[senders], INF, es), self._next_seq(key), key[1]
+
+    def deliver(self, msg: Message, senders: I64, receivers: I64, gids: I64, *, nbytes: int,
+                base_us: float, block_sender: bool = False) -> None:
+        """Receivers take the posted `msg`: the transfer starts once both ends are there."""
+        es, seq, _ = msg
+        k = senders.shape[0]
         er = self.t[receivers]
         er = np.where(er >= self.stop_all[receivers], INF, er)
-        factor = self._group_factors(gids) if self.plan.slow_groups else np.ones(k)
+        factor = self._group_factors(gids)
         dur = base_us * factor * self.rng.lognormal(0.0, 0.06, k)
         hiccup = np.asarray(self.rng.random(k) < 0.002)
         dur[hiccup] *= self.rng.uniform(2.0, 6.0, int(hiccup.sum()))
@@ -319,5 +470,9 @@ class Engine:
                      nbytes=sizes, dtype=bf16, peer=receivers, enq=es, comp=cs)
         self._record(receivers, gids, seq, op=np.full(k, _OP["recv"], dtype=np.int64),
                      nbytes=sizes, dtype=bf16, peer=senders, enq=er, comp=cr)
-        self.t[senders] = np.where(np.isfinite(es), cs, INF)
+        if block_sender:
+            self.t[senders] = np.where(np.isfinite(es), cs, INF)
+        else:
+            self.comm_free[senders] = np.maximum(self.comm_free[senders],
+                                                 np.where(np.isfinite(es), cs, INF))
         self.t[receivers] = np.where(np.isfinite(er), cr, INF)

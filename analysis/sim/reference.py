@@ -15,12 +15,17 @@ import numpy as np
 import numpy.typing as npt
 
 from tracehound.tracing.summaries import (
+    F64,
     I64,
     P2P_MARK,
     RECV_OPS,
     SEND_OPS,
+    SYMMETRIC_OPS,
+    ClockCorrection,
+    ClockSamples,
     CollectiveColumns,
     Disagreement,
+    Disagreements,
     LinkStats,
     NodeWindows,
     RankStats,
@@ -49,6 +54,33 @@ def _p2p_rows(group_codes: I64, groups: npt.NDArray[np.str_]) -> npt.NDArray[np.
     return is_p2p[group_codes]
 
 
+def _row_nodes(cols: CollectiveColumns,
+               node_of_rank: Mapping[int, str]) -> tuple[npt.NDArray[np.str_], I64]:
+    """(sorted distinct nodes, the node code of every row). Raises ValueError for a rank
+    without a node in `node_of_rank`."""
+    ranks, rcode = np.unique(cols.rank, return_inverse=True)
+    missing = [int(r) for r in ranks if int(r) not in node_of_rank]
+    if missing:
+        raise ValueError(f"node_of_rank has no node for ranks {missing[:10]}")
+    nodes, ncode = np.unique(
+        np.array([node_of_rank[int(r)] for r in ranks], dtype=np.str_), return_inverse=True
+    )
+    return nodes, ncode.reshape(-1)[rcode.reshape(-1)].astype(np.int64)
+
+
+def _times(cols: CollectiveColumns, clock: ClockCorrection | None,
+           node_of_rank: Mapping[int, str] | None) -> tuple[I64, I64]:
+    """Every row's enqueue and completion time, on the common clock when `clock` is given
+    (then `node_of_rank` must name every rank's node)."""
+    if clock is None or not clock.nodes:
+        return cols.enqueue_us, cols.complete_us
+    if node_of_rank is None:
+        raise ValueError("a clock correction needs node_of_rank")
+    nodes, code = _row_nodes(cols, node_of_rank)
+    return (clock.align(cols.enqueue_us, code, nodes),
+            clock.align(cols.complete_us, code, nodes))
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class _Arrivals:
     """The collective rows RankStats and NodeWindows count, with their per-row measures."""
@@ -57,42 +89,86 @@ class _Arrivals:
     enqueue_us: I64
     lateness_us: I64
     is_last: npt.NDArray[np.bool_]
+    blame_us: I64
     wait_us: I64
 
 
-def _arrivals(cols: CollectiveColumns, start_us: int, end_us: int) -> _Arrivals:
+def _arrivals(cols: CollectiveColumns, start_us: int, end_us: int, *,
+              clock: ClockCorrection | None = None,
+              node_of_rank: Mapping[int, str] | None = None) -> _Arrivals:
+    all_enqueue, all_complete = _times(cols, clock, node_of_rank)
     window = np.flatnonzero(_in_window(cols, start_us, end_us) & cols.completed)
     groups, gcode = factorize(cols.group[window])
     keep = ~_p2p_rows(gcode, groups)
     rows, gcode = window[keep], gcode[keep]
     seq = cols.seq[rows]
-    order = np.lexsort((seq, gcode))
-    rows, gcode, seq = rows[order], gcode[order], seq[order]
-    enqueue = cols.enqueue_us[rows]
+    enqueue = all_enqueue[rows]
+    order = np.lexsort((enqueue, seq, gcode))
+    rows, gcode, seq, enqueue = rows[order], gcode[order], seq[order], enqueue[order]
     starts, seg = _segments(gcode, seq)
-    if rows.shape[0]:
-        first = np.minimum.reduceat(enqueue, starts)
-        last = np.maximum.reduceat(enqueue, starts)
-    else:
-        first = last = np.zeros(0, np.int64)
     members = np.diff(np.append(starts, rows.shape[0]))
+    if rows.shape[0]:
+        first = enqueue[starts]
+        ends = np.append(starts, rows.shape[0])[1:]
+        last = enqueue[ends - 1]
+        second = enqueue[np.maximum(ends - 2, starts)]
+    else:
+        first = last = second = np.zeros(0, np.int64)
     counted = members[seg] >= 2
     rows, seg, enqueue = rows[counted], seg[counted], enqueue[counted]
+    is_last = enqueue == last[seg]
+    unique_last = is_last & (second[seg] < last[seg])
     return _Arrivals(
         rank=cols.rank[rows],
         enqueue_us=enqueue,
         lateness_us=enqueue - first[seg],
-        is_last=enqueue == last[seg],
-        wait_us=cols.complete_us[rows] - enqueue,
+        is_last=is_last,
+        blame_us=np.where(unique_last, enqueue - second[seg], 0),
+        wait_us=all_complete[rows] - enqueue,
     )
 
 
-def rank_stats(cols: CollectiveColumns, start_us: int, end_us: int) -> RankStats:
-    """Per-rank arrival statistics of a window (see tracing.summaries)."""
-    a = _arrivals(cols, start_us, end_us)
+def _own_time(cols: CollectiveColumns, start_us: int, end_us: int,
+              ranks: I64) -> tuple[F64, F64, F64]:
+    """busy_us, busy_max_us and active_us of each of `ranks` (see tracing.summaries), from
+    all its completed rows in the window."""
+    rows = np.flatnonzero(_in_window(cols, start_us, end_us) & cols.completed)
+    rank, enq, comp = cols.rank[rows], cols.enqueue_us[rows], cols.complete_us[rows]
+    order = np.lexsort((comp, enq, rank))
+    rank, enq, comp = rank[order], enq[order], comp[order]
+    busy = np.zeros(ranks.shape[0])
+    most = np.zeros(ranks.shape[0])
+    active = np.zeros(ranks.shape[0])
+    if rank.shape[0] == 0:
+        return busy, most, active
+    same = rank[1:] == rank[:-1]
+    gaps = np.where(same, np.maximum(enq[1:] - comp[:-1], 0), 0).astype(np.float64)
+    owners = rank[1:]
+    starts, _ = _segments(rank)
+    who = rank[starts]
+    first_enq = np.minimum.reduceat(enq, starts)
+    last_comp = np.maximum.reduceat(comp, starts)
+    pos = np.searchsorted(who, ranks)
+    found = (pos < who.shape[0]) & (who[np.minimum(pos, who.shape[0] - 1)] == ranks)
+    place = {int(r): i for i, r in enumerate(ranks)}
+    idx = np.array([place.get(int(r), -1) for r in owners], dtype=np.int64)
+    ok = idx >= 0
+    np.add.at(busy, idx[ok], gaps[ok])
+    np.maximum.at(most, idx[ok], gaps[ok])
+    active[found] = (last_comp[pos[found]] - first_enq[pos[found]]).astype(np.float64)
+    return busy, most, active
+
+
+def rank_stats(cols: CollectiveColumns, start_us: int, end_us: int, *,
+               clock: ClockCorrection | None = None,
+               node_of_rank: Mapping[int, str] | None = None) -> RankStats:
+    """Per-rank arrival statistics of a window (see tracing.summaries); `clock` corrects the
+    nodes' clocks (`node_of_rank` then names every rank's node)."""
+    a = _arrivals(cols, start_us, end_us, clock=clock, node_of_rank=node_of_rank)
     ranks, code = np.unique(a.rank, return_inverse=True)
     code = code.reshape(-1)
     n = np.bincount(code, minlength=ranks.shape[0]).astype(np.int64)
+    busy, busy_max, active = _own_time(cols, start_us, end_us, ranks.astype(np.int64))
     return RankStats(
         rank=ranks.astype(np.int64),
         n=n,
@@ -102,6 +178,11 @@ def rank_stats(cols: CollectiveColumns, start_us: int, end_us: int) -> RankStats
         ),
         wait_mean_us=np.bincount(code, weights=a.wait_us, minlength=ranks.shape[0]) / n,
         span_us=_span(code, a.enqueue_us, ranks.shape[0]),
+        blame_us=np.bincount(code, weights=a.blame_us, minlength=ranks.shape[0]).astype(
+            np.float64),
+        busy_us=busy,
+        busy_max_us=busy_max,
+        active_us=active,
     )
 
 
@@ -116,8 +197,12 @@ def _span(code: I64, values: I64, size: int) -> I64:
     return (high - low).astype(np.int64)
 
 
-def link_stats(cols: CollectiveColumns, start_us: int, end_us: int) -> LinkStats:
-    """Per-link transfer statistics of a window (see tracing.summaries)."""
+def link_stats(cols: CollectiveColumns, start_us: int, end_us: int, *,
+               clock: ClockCorrection | None = None,
+               node_of_rank: Mapping[int, str] | None = None) -> LinkStats:
+    """Per-link transfer statistics of a window (see tracing.summaries); `clock` as for
+    `rank_stats`."""
+    all_enqueue, all_complete = _times(cols, clock, node_of_rank)
     window = np.flatnonzero(_in_window(cols, start_us, end_us))
     groups, gcode = factorize(cols.group[window])
     ops, opcode = factorize(cols.op[window])
@@ -143,8 +228,8 @@ def link_stats(cols: CollectiveColumns, start_us: int, end_us: int) -> LinkStats
     src = np.add.reduceat(np.where(send_op, rank, 0), starts)[ok]
     dst = np.add.reduceat(np.where(send_op, 0, rank), starts)[ok]
     transfer = (
-        np.maximum.reduceat(cols.complete_us[rows], starts)
-        - np.maximum.reduceat(cols.enqueue_us[rows], starts)
+        np.maximum.reduceat(all_complete[rows], starts)
+        - np.maximum.reduceat(all_enqueue[rows], starts)
     )[ok]
     if transfer.shape[0] == 0:
         return empty
@@ -162,29 +247,42 @@ def link_stats(cols: CollectiveColumns, start_us: int, end_us: int) -> LinkStats
 
 
 def disagreements(
-    cols: CollectiveColumns, start_us: int, end_us: int, limit: int = 100
-) -> tuple[Disagreement, ...]:
-    """The first `limit` collectives of a window whose ranks disagree, by (group, seq), each
-    with the reference of its sibling groups (see tracing.summaries)."""
+    cols: CollectiveColumns, start_us: int, end_us: int, limit: int = 100, *,
+    uneven_ops: tuple[str, ...] = (),
+) -> Disagreements:
+    """The first `limit` collectives of a window whose ranks disagree (ops of `uneven_ops` may
+    differ in size), in group order, then by seq, each with the reference of its sibling groups,
+    and how many more the limit dropped (see tracing.summaries). ValueError for a limit below 1."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
     window = np.flatnonzero(_in_window(cols, start_us, end_us))
     groups, gcode = factorize(cols.group[window])
     keep = ~_p2p_rows(gcode, groups)
     rows, gcode = window[keep], gcode[keep]
+    # Group order: (length, code point); `groups` is sorted by code point already.
+    by_length = np.lexsort((np.arange(groups.shape[0]), np.char.str_len(groups)))
+    position = np.empty_like(by_length)
+    position[by_length] = np.arange(by_length.shape[0])
+    groups, gcode = groups[by_length], position[gcode]
     seq, rank = cols.seq[rows], cols.rank[rows]
     order = np.lexsort((rank, seq, gcode))
     rows, gcode, seq = rows[order], gcode[order], seq[order]
-    if rows.shape[0] == 0 or limit <= 0:
-        return ()
+    if rows.shape[0] == 0:
+        return Disagreements()
     ops, opcode = factorize(cols.op[rows])
     dtypes, dtcode = factorize(cols.dtype[rows])
     nbytes = cols.nbytes[rows]
     starts, seg = _segments(gcode, seq)
     head = starts[seg]
-    differs = (opcode != opcode[head]) | (dtcode != dtcode[head]) | (nbytes != nbytes[head])
-    split = np.logical_or.reduceat(differs, starts)
-    bad = np.flatnonzero(split)[:limit]
+    kind_split = np.logical_or.reduceat(
+        (opcode != opcode[head]) | (dtcode != dtcode[head]), starts)
+    size_split = np.logical_or.reduceat(nbytes != nbytes[head], starts)
+    uneven = np.isin(ops, np.asarray(uneven_ops, dtype=np.str_))[opcode[starts]]
+    split = kind_split | size_split
+    disagreeing = np.flatnonzero(kind_split | (size_split & ~uneven))
+    bad = disagreeing[:limit]
     if bad.shape[0] == 0:
-        return ()
+        return Disagreements()
     ends = np.append(starts, rows.shape[0])
     members = np.diff(ends)
     peers = _sibling_votes(
@@ -207,7 +305,7 @@ def disagreements(
             peer_dtype=str(dtypes[peer[2]]) if peer else "",
             peer_groups=peer[3] if peer else 0,
         ))
-    return tuple(out)
+    return Disagreements(out, dropped=int(disagreeing.shape[0] - bad.shape[0]))
 
 
 def _sibling_votes(
@@ -240,11 +338,14 @@ def node_windows(
     start_us: int,
     end_us: int,
     window_us: int,
+    *,
+    clock: ClockCorrection | None = None,
 ) -> NodeWindows:
-    """Per-node features per window of `window_us` (see tracing.summaries). Raises
-    ValueError for a counted row whose rank has no node in `node_of_rank`."""
+    """Per-node features per window of `window_us` (see tracing.summaries), on clocks
+    corrected by `clock` when given. Raises ValueError for a counted row whose rank has no
+    node in `node_of_rank`."""
     buckets = bucket_count(start_us, end_us, window_us)
-    a = _arrivals(cols, start_us, end_us)
+    a = _arrivals(cols, start_us, end_us, clock=clock, node_of_rank=node_of_rank)
     ranks, rcode = np.unique(a.rank, return_inverse=True)
     missing = [int(r) for r in ranks if int(r) not in node_of_rank]
     if missing:
@@ -253,7 +354,7 @@ def node_windows(
         np.array([node_of_rank[int(r)] for r in ranks], dtype=np.str_), return_inverse=True
     )
     ncode = ncode_of_rank.reshape(-1)[rcode.reshape(-1)]
-    bucket = (a.enqueue_us - start_us) // window_us
+    bucket = np.clip((a.enqueue_us - start_us) // window_us, 0, max(buckets - 1, 0))
     cells = buckets * nodes.shape[0]
     cell = bucket * nodes.shape[0] + ncode
     n = np.bincount(cell, minlength=cells).astype(np.float64)
@@ -267,4 +368,58 @@ def node_windows(
         nodes=tuple(str(x) for x in nodes),
         window_start_us=start_us + np.arange(buckets, dtype=np.int64) * window_us,
         features=features.reshape(buckets, nodes.shape[0], len(NodeWindows.FEATURES)),
+    )
+
+
+def clock_samples(cols: CollectiveColumns, node_of_rank: Mapping[int, str], start_us: int,
+                  end_us: int, width_us: int) -> ClockSamples:
+    """Per (group, node, bucket) the upper median distance of the node's completions from its
+    collectives' centers (see tracing.summaries ClockSamples)."""
+    bucket_count(start_us, end_us, width_us)
+    window = np.flatnonzero(_in_window(cols, start_us, end_us) & cols.completed)
+    groups, gcode = factorize(cols.group[window])
+    ops, opcode = factorize(cols.op[window])
+    p2p = _p2p_rows(gcode, groups)
+    symmetric = np.isin(ops, SYMMETRIC_OPS)[opcode]
+    pair = np.isin(ops, SEND_OPS + RECV_OPS)[opcode]
+    keep = np.where(p2p, pair, symmetric)
+    rows, gcode = window[keep], gcode[keep]
+    empty = ClockSamples(group=np.zeros(0, np.str_), node=np.zeros(0, np.str_),
+                         bucket=np.zeros(0, np.int64), offset_us=np.zeros(0, np.float64),
+                         n=np.zeros(0, np.int64), start_us=start_us, width_us=width_us)
+    if rows.shape[0] == 0:
+        return empty
+    sub = CollectiveColumns(
+        rank=cols.rank[rows], group=cols.group[rows], seq=cols.seq[rows], op=cols.op[rows],
+        nbytes=cols.nbytes[rows], dtype=cols.dtype[rows], peer=cols.peer[rows],
+        completed=cols.completed[rows], enqueue_us=cols.enqueue_us[rows],
+        complete_us=cols.complete_us[rows])
+    nodes, ncode = _row_nodes(sub, node_of_rank)
+    seq, comp = sub.seq, sub.complete_us
+    order = np.lexsort((comp, seq, gcode))
+    gcode, seq, comp, ncode = gcode[order], seq[order], comp[order], ncode[order]
+    starts, seg = _segments(gcode, seq)
+    ends = np.append(starts, gcode.shape[0])
+    size = np.diff(ends)
+    center = comp[starts + size // 2]
+    distinct = np.zeros(starts.shape[0], np.int64)
+    node_sorted = np.lexsort((ncode, seg))
+    firsts, _ = _segments(seg[node_sorted], ncode[node_sorted])
+    np.add.at(distinct, seg[node_sorted][firsts], 1)
+    ok = distinct[seg] >= 2
+    diff = (comp - center[seg])[ok]
+    bucket = ((center[seg] - start_us) // width_us)[ok]
+    g, nd = gcode[ok], ncode[ok]
+    if diff.shape[0] == 0:
+        return empty
+    # per (group, node, bucket): the upper median of diff; groups and nodes sort by name
+    order = np.lexsort((diff, bucket, nd, g))
+    g, nd, bucket, diff = g[order], nd[order], bucket[order], diff[order]
+    cell_starts, _ = _segments(g, nd, bucket)
+    counts = np.diff(np.append(cell_starts, g.shape[0]))
+    return ClockSamples(
+        group=groups[g[cell_starts]].astype(np.str_), node=nodes[nd[cell_starts]].astype(np.str_),
+        bucket=bucket[cell_starts].astype(np.int64),
+        offset_us=diff[cell_starts + counts // 2].astype(np.float64),
+        n=counts.astype(np.int64), start_us=start_us, width_us=width_us,
     )

@@ -1,12 +1,16 @@
-"""Slow link and slow node from point-to-point transfer times."""
+"""Slow link and slow node from point-to-point transfer times, and the slow GPU whose transfers
+only look slow."""
 
 from __future__ import annotations
 
 import numpy as np
-from observation_builders import T0, S, links, observe, snapshot
+import pytest
+from observation_builders import T0, S, arrivals, groups, links, observe, snapshot
+from played_jobs import megatron
 
 from tracehound.analysis.confidence import STRONG, WEAK
 from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.links import detect_slow_link
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.verdict import Basis, Fact
@@ -132,3 +136,47 @@ def test_at_a_pipeline_boundary_the_node_whose_collectives_take_longer_comes_fir
                                            lateness={0: 2_000.0, 4: 200.0}))
     other = detect_slow_link(flipped, SETTINGS)
     assert other is not None and other.culprit_nodes == ("node-0", "node-4")
+
+
+# --- a slow GPU is slow at everything: its transfers look slow too ------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_slow_gpu_s_transfers_are_left_to_the_straggler(seed: int) -> None:
+    # Rank 21 computes twice as long and its transfers take twice as long (its kernels start
+    # late): its links alone would make a slow link between it and its pipeline neighbour.
+    obs = megatron(slow={21: 2.0}, slow_kernels=True, seed=seed)
+    alone = DetectionSettings(straggler_min_excess=100.0)  # no rank counts as slow computing
+    blind = detect_slow_link(obs, alone)
+    assert blind is not None and 21 in blind.culprit_ranks
+    assert detect_slow_link(obs, SETTINGS) is None
+    verdict = diagnose_observation(obs, SETTINGS)
+    assert verdict is not None
+    assert verdict.kind is IncidentKind.STRAGGLER
+    assert verdict.culprit_ranks == (21,)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_real_slow_link_stays_a_slow_link(seed: int) -> None:
+    # Transfers from rank 21 to 37 take 2.5x as long; both ranks compute as their peers do.
+    obs = megatron(slow_links={(21, 37): 2.5}, seed=seed)
+    verdict = diagnose_observation(obs, SETTINGS)
+    assert verdict is not None
+    assert verdict.kind is IncidentKind.SLOW_LINK
+    assert verdict.culprit_link == (21, 37)
+    assert set(verdict.culprit_ranks) == {21, 37}
+
+
+def test_a_straggler_named_by_arrivals_wins_over_its_slow_link() -> None:
+    # A source without the busy columns: the arrival rule names rank 17, and the link from it
+    # to its pipeline neighbour looks 2.5x slow. The straggler explains both.
+    a = arrivals(slow={17: 1.5}, seed=0)
+    rows = pipeline_links({(17, 33): 2.5})
+    obs = observe(snapshot(a.end_us, 64, members=groups(8, 64)), start_us=a.start_us,
+                  ranks=a.ranks, links=links(rows))
+    link = detect_slow_link(obs, SETTINGS)
+    assert link is not None and link.culprit_link == (17, 33)
+    verdict = diagnose_observation(obs, SETTINGS)
+    assert verdict is not None
+    assert verdict.kind is IncidentKind.STRAGGLER
+    assert verdict.culprit_ranks[0] == 17

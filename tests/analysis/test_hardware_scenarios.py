@@ -1,0 +1,143 @@
+"""Health relevance on simulated jobs: a harmless warning on the culprit's own GPU (or NIC)
+keeps the verdict of a straggler, a slow link and a hang; a thermal throttle on the straggler's
+GPU and an Xid 79 on the hung rank's GPU make it a hardware verdict. Each test prints how many
+of its seeds kept (or got) the right kind."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+
+import pytest
+
+from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.observation import Observation
+from tracehound.analysis.sim import SimulatedJob, simulate
+from tracehound.analysis.verdict import Fact, Verdict
+from tracehound.tracing.events import HealthSample, HealthSeverity, IncidentKind
+from tracehound.tracing.ids import NodeId
+
+SEEDS = range(8)
+RANKS = 64
+S = 1_000_000
+
+
+@cache
+def scenario(fault: str, seed: int) -> tuple[SimulatedJob, Observation]:
+    """A simulated job and its observation, played once per module for every test."""
+    sim = simulate(ranks=RANKS, fault=fault, seed=seed)
+    return sim, sim.observation()
+
+
+def device_of(sim: SimulatedJob, rank: int) -> str:
+    """The GPU a rank drives: its index among its node's ranks."""
+    node = sim.rank_nodes[rank]
+    return f"gpu{rank - min(r for r, n in sim.rank_nodes.items() if n == node)}"
+
+
+def onset_us(sim: SimulatedJob, obs: Observation) -> int:
+    """When the fault struck, or the window's start for one present throughout: the worst
+    moment for a harmless warning to appear."""
+    return sim.truth.fault_us or obs.window_start_us
+
+
+def sample(sim: SimulatedJob, rank: int, metric: str, value: float, severity: HealthSeverity,
+           at_us: int, detail: str) -> HealthSample:
+    """A sample of `rank`'s GPU (of a NIC of its node for NIC metrics)."""
+    device = "mlx5_0" if metric.startswith("nic_") else device_of(sim, rank)
+    return HealthSample(job=sim.job, node=NodeId(sim.rank_nodes[rank]), device=device,
+                        time_us=at_us, source="nvml", metric=metric, value=value,
+                        severity=severity, detail=detail)
+
+
+def right_kind(sim: SimulatedJob, verdict: Verdict | None) -> bool:
+    """The verdict is of the injected kind (a rank stuck computing while it reports is a stall
+    until the busy grace has passed, as in bench/diagnosis.py)."""
+    if verdict is None:
+        return False
+    truth = sim.truth
+    if truth.kind is IncidentKind.HANG and truth.variant == "compute_stuck":
+        return verdict.kind in (IncidentKind.HANG, IncidentKind.STALL)
+    return verdict.kind is truth.kind
+
+
+@pytest.mark.parametrize("fault", ["straggler", "slow_link", "hang"])
+@pytest.mark.parametrize(("metric", "value", "detail"), [
+    ("ecc_correctable", 3.0, "single bit ECC errors"),
+    ("pcie_replays", 12.0, "PCIe replay counter increased"),
+    ("nic_errors", 20.0, "link-level retransmissions"),
+])
+def test_a_harmless_warning_on_the_culprits_gpu_keeps_the_verdict(
+        fault: str, metric: str, value: float, detail: str) -> None:
+    right_before = right_after = 0
+    for seed in SEEDS:
+        sim, obs = scenario(fault, seed)
+        before = diagnose_observation(obs)
+        culprit = sim.truth.culprit_ranks[0]
+        warning = sample(sim, culprit, metric, value, HealthSeverity.WARNING,
+                         onset_us(sim, obs), detail)
+        after = diagnose_observation(replace(obs, health=(*obs.health, warning)))
+        right_before += right_kind(sim, before)
+        right_after += right_kind(sim, after)
+        assert (before is None) == (after is None), seed
+        if before is None or after is None:
+            continue
+        assert (after.kind, after.culprit_ranks) == (before.kind, before.culprit_ranks), seed
+        if sim.rank_nodes[culprit] not in before.culprit_nodes:
+            assert after.confidence == before.confidence, seed
+            continue
+        quoted = [e.detail for e in after.evidence if e.fact is Fact.HEALTH
+                  and f" {metric}=" in e.detail]
+        assert quoted, seed
+        if metric == "nic_errors" and after.kind is IncidentKind.SLOW_LINK:
+            # NIC errors on a slow link's node: its kind kept, one notch more sure.
+            assert after.confidence >= before.confidence, seed
+            assert any(q.startswith("corroborates the verdict, kind kept: ") for q in quoted)
+        else:
+            # Quoted as context, and said to change nothing.
+            assert after.confidence == before.confidence, seed
+            assert all(q.startswith("context, does not change the verdict: ") for q in quoted)
+    print(f"\n{fault} + {metric} warning on the culprit's device: right kind in {right_after} of "
+          f"{len(SEEDS)} seeds (without it: {right_before})")
+    assert right_after == right_before
+
+
+def test_a_thermal_throttle_on_the_stragglers_gpu_is_hardware() -> None:
+    found = judged = 0
+    for seed in SEEDS:
+        sim, obs = scenario("straggler", seed)
+        before = diagnose_observation(obs)
+        if not right_kind(sim, before):
+            continue  # no straggler seen, nothing for the throttle to explain
+        judged += 1
+        culprit = sim.truth.culprit_ranks[0]
+        hot = sample(sim, culprit, "throttle", 1.0, HealthSeverity.WARNING, onset_us(sim, obs),
+                     "HW thermal slowdown (clocks event reason 0x40)")
+        after = diagnose_observation(replace(obs, health=(*obs.health, hot)))
+        assert after is not None and after.kind is IncidentKind.HARDWARE, seed
+        assert after.culprit_ranks[0] == culprit, seed
+        found += 1
+    print(f"\nstraggler + thermal throttle on its GPU: hardware in {found} of {judged} seeds "
+          f"whose straggler was seen ({len(SEEDS)} seeds)")
+    assert judged >= len(SEEDS) // 2
+    assert found == judged
+
+
+def test_an_xid_79_on_the_hung_ranks_gpu_is_hardware() -> None:
+    found = judged = 0
+    for seed in SEEDS:
+        sim, obs = scenario("hang", seed)
+        if not right_kind(sim, diagnose_observation(obs)):
+            continue
+        judged += 1
+        culprit = sim.truth.culprit_ranks[0]
+        lost = sample(sim, culprit, "xid", 79.0, HealthSeverity.CRITICAL,
+                      onset_us(sim, obs) + S // 5, "Xid 79: GPU has fallen off the bus")
+        after = diagnose_observation(replace(obs, health=(*obs.health, lost)))
+        assert after is not None and after.kind is IncidentKind.HARDWARE, seed
+        assert after.culprit_ranks[0] == culprit, seed
+        found += 1
+    print(f"\nhang + Xid 79 on the hung rank's GPU: hardware in {found} of {judged} seeds whose "
+          f"hang was seen ({len(SEEDS)} seeds)")
+    assert judged >= len(SEEDS) // 2
+    assert found == judged
