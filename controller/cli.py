@@ -153,9 +153,10 @@ def _parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser(
         "simulate", help="write a simulated job's traces (with a fault) to a store",
-        description="Simulate one detection window of a large job (DP/TP/PP groups, 8 ranks per "
-                    "node, timing noise) with a fault injected, and write its traces to a store "
-                    "so that `tracehound diagnose` can be run on it.",
+        description="Simulate one detection window of a large job (DDP, ZeRO-3, MoE or a "
+                    "Megatron pipeline; 4 or 8 ranks per node; skewed node clocks, pauses, "
+                    "checkpoints and harmless warnings) with a fault injected, and write its "
+                    "traces to a store so that `tracehound diagnose` can be run on it.",
         epilog="example:\n  tracehound simulate --ranks 4096 --fault straggler --seed 7 "
                "--job-id s7\n  tracehound diagnose --job s7",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -166,6 +167,12 @@ def _parser() -> argparse.ArgumentParser:
                           "or healthy")
     sim.add_argument("--seed", type=int, default=0, help="scenario seed (default: 0)")
     sim.add_argument("--job-id", help="job id (default: sim-<fault>-<ranks>-<seed>)")
+    sim.add_argument("--skew-ms", type=float, default=None, metavar="MS",
+                     help="sigma of the node clock offsets in ms (default: 5, ordinary NTP)")
+    sim.add_argument("--lab", action="store_true",
+                     help="lab conditions: clocks within microseconds, Megatron layouts only, "
+                          "faults well above the detectors' thresholds, little noise (default: "
+                          "field conditions)")
     sim.add_argument("--json", action="store_true", help="print what was written as JSON")
     _store_arg(sim)
     tracefiles.add_parsers(sub, _store_arg)
@@ -308,7 +315,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from tracehound.analysis.sim import FAULT_KINDS, simulate, write_to_store
+    from tracehound.analysis.sim import FAULT_KINDS, FIELD, LAB, simulate, write_to_store
     from tracehound.controller.session import resolve_store_url
     from tracehound.tracing.store import open_store
 
@@ -318,7 +325,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not 8 <= args.ranks <= 32_768:
         raise ValueError(f"--ranks {args.ranks}: expected a number of ranks from 8 to 32768")
     job = args.job_id or f"sim-{args.fault}-{args.ranks}-{args.seed}"
-    sim = simulate(ranks=args.ranks, fault=args.fault, seed=args.seed, job=job)
+    if args.skew_ms is not None and not 0 <= args.skew_ms <= 1_000:
+        raise ValueError(f"--skew-ms {args.skew_ms}: expected milliseconds from 0 to 1000")
+    sim = simulate(ranks=args.ranks, fault=args.fault, seed=args.seed, job=job,
+                   conditions=LAB if args.lab else FIELD, skew_ms=args.skew_ms)
     store = open_store(resolve_store_url(args.store))
     try:
         write_to_store(sim, store)
@@ -334,7 +344,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "kind": truth.kind.value if truth.kind else "healthy",
             "culprit_ranks": list(truth.culprit_ranks), "culprit_nodes": list(truth.culprit_nodes),
             "link": list(truth.link) if truth.link else None, "variant": truth.variant,
+            "size": truth.size,
         },
+        "conditions": "lab" if args.lab else "field",
+        "workload": sim.info.get("workload"),
     }
     if args.json:
         _print_json(written)

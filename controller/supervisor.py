@@ -223,6 +223,7 @@ class Supervisor:
                     self.store, job=plan.job, attempt=plan.attempt, now_us=now,
                     window_s=self.settings.window_s, expected_ranks=rank_nodes,
                     summaries=refresh,
+                    uneven_ops=self.settings.detection.mismatch_size_exempt_ops,
                 )
                 if refresh:
                     last_summaries_us = now

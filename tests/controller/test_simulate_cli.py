@@ -54,3 +54,24 @@ def test_unknown_fault_class_is_a_clear_error(tmp_path: Path) -> None:
                f"chdb://{tmp_path / 's'}")
     assert proc.returncode == 2
     assert "gremlins" in proc.stderr and "straggler" in proc.stderr
+
+
+def test_clock_skew_and_conditions_are_chosen_on_the_command_line(tmp_path: Path) -> None:
+    """A crash on nodes whose clocks are N(0, 20 ms) apart is still put on the rank that died
+    first, from the trace's own clock estimate; --lab and a bad --skew-ms are understood."""
+    store = f"chdb://{tmp_path / 'store'}"
+    wrote = cli("simulate", "--ranks", "128", "--fault", "crash", "--seed", "4", "--skew-ms",
+                "20", "--job-id", "skewed", "--store", store, "--json")
+    assert wrote.returncode == 0, wrote.stderr
+    written = json.loads(wrote.stdout)
+    assert written["conditions"] == "field"
+    verdict = json.loads(cli("diagnose", "--job", "skewed", "--store", store, "--json").stdout)
+    assert verdict["kind"] == "crash"
+    assert verdict["culprit_ranks"][0] in written["truth"]["culprit_ranks"]
+    lab = cli("simulate", "--ranks", "64", "--fault", "healthy", "--lab", "--job-id", "lab",
+              "--store", store, "--json")
+    assert lab.returncode == 0, lab.stderr
+    assert json.loads(lab.stdout)["conditions"] == "lab"
+    bad = cli("simulate", "--ranks", "64", "--fault", "healthy", "--skew-ms", "-3", "--store",
+              store)
+    assert bad.returncode == 2 and "--skew-ms" in bad.stderr
