@@ -57,6 +57,8 @@ Pending = Record | RawCollective
 """What the recorder hands to its sink."""
 
 _MAX_LOGGED_ERRORS = 5
+_MAX_IN_FLIGHT = 4096
+"""Calls in flight per group the recorder remembers (for the oldest one's op and size)."""
 
 
 def materialize(item: Pending) -> Record:
@@ -88,8 +90,8 @@ class _Group:
     """Progress of this rank in one process group (mutated under the recorder's lock)."""
 
     __slots__ = (
-        "last_complete_us", "last_completed", "last_enqueue_us", "last_enqueued", "name",
-        "pending_dtype", "pending_nbytes", "pending_op",
+        "in_flight", "last_complete_us", "last_completed", "last_enqueue_us", "last_enqueued",
+        "name", "pending_dtype", "pending_nbytes", "pending_op",
     )
 
     def __init__(self, name: str) -> None:
@@ -101,6 +103,19 @@ class _Group:
         self.pending_dtype = ""
         self.last_enqueue_us = 0
         self.last_complete_us = 0
+        # calls entered and not yet ended: seq -> (op, nbytes, dtype). Bounded: past the cap
+        # newer calls are not added, so the oldest (what a heartbeat reports) stays right.
+        self.in_flight: dict[int, tuple[str, int, str]] = {}
+
+    def oldest(self) -> tuple[int, str, int, str]:
+        """The oldest call in flight after the last completed one, when more than one is:
+        (seq, op, nbytes, dtype), else (0, "", 0, ""). Calls before the last completed one
+        that never ended (a work object dropped unwaited) are left out."""
+        later = [seq for seq in self.in_flight if seq > self.last_completed]
+        if len(later) < 2:
+            return (0, "", 0, "")
+        seq = min(later)
+        return (seq, *self.in_flight[seq])
 
 
 Token = tuple[_Group, int, str, int, str, int, int]
@@ -196,6 +211,11 @@ class Recorder:
             group.pending_nbytes = nbytes
             group.pending_dtype = dtype
             group.last_enqueue_us = now
+            if len(group.in_flight) >= _MAX_IN_FLIGHT:
+                done = group.last_completed  # forget calls that never ended
+                group.in_flight = {k: v for k, v in group.in_flight.items() if k > done}
+            if len(group.in_flight) < _MAX_IN_FLIGHT:
+                group.in_flight[seq] = (op, nbytes, dtype)
         return (group, seq, op, nbytes, dtype, peer, now)
 
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
@@ -203,6 +223,7 @@ class Recorder:
         group, seq, op, nbytes, dtype, token_peer, enqueued = token
         now = self.clock()
         with self._lock:
+            group.in_flight.pop(seq, None)
             if seq > group.last_completed:
                 group.last_completed = seq
                 group.last_complete_us = now
@@ -301,17 +322,21 @@ class Recorder:
 
     # -- heartbeats -----------------------------------------------------------------------------
 
+    @staticmethod
+    def _progress(g: _Group) -> GroupProgress:
+        oldest_seq, oldest_op, oldest_nbytes, oldest_dtype = g.oldest()
+        return GroupProgress(
+            group=GroupId(g.name), last_enqueued=g.last_enqueued,
+            last_completed=g.last_completed, pending_op=g.pending_op,
+            last_enqueue_us=g.last_enqueue_us, last_complete_us=g.last_complete_us,
+            pending_nbytes=g.pending_nbytes, pending_dtype=g.pending_dtype,
+            oldest_seq=oldest_seq, oldest_op=oldest_op, oldest_nbytes=oldest_nbytes,
+            oldest_dtype=oldest_dtype,
+        )
+
     def heartbeat_record(self) -> Heartbeat:
         with self._lock:
-            groups = tuple(
-                GroupProgress(
-                    group=GroupId(g.name), last_enqueued=g.last_enqueued,
-                    last_completed=g.last_completed, pending_op=g.pending_op,
-                    last_enqueue_us=g.last_enqueue_us, last_complete_us=g.last_complete_us,
-                    pending_nbytes=g.pending_nbytes, pending_dtype=g.pending_dtype,
-                )
-                for g in self._groups.values()
-            )
+            groups = tuple(self._progress(g) for g in self._groups.values())
         return Heartbeat(
             job=JobId(self.job), attempt=self.attempt, node=NodeId(self.node),
             rank=Rank(self.rank), time_us=self.clock(), pid=self.pid, step=self.step,

@@ -39,6 +39,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from tracehound.analysis.common import (
     US_PER_S,
     is_p2p_group,
@@ -238,9 +240,25 @@ def _pending_findings(obs: Observation, settings: DetectionSettings) -> list[_Fi
             continue
         entries = by_group[group]
         size = max(sizes.get(group, 0), len(entries))
-        findings += _from_pending(group, entries, size, hang_us, snap.now_us,
+        # the call each member is blocked on first (the oldest in flight), then the last entered
+        found: list[_Finding] = []
+        for view in ([(r, _blocked_on(g), fresh) for r, g, fresh in entries], entries):
+            found = _from_pending(group, view, size, hang_us, snap.now_us,
                                   exempt=settings.mismatch_size_exempt_ops)
+            if found:
+                break
+        findings += found
     return findings
+
+
+def _blocked_on(g: GroupProgress) -> GroupProgress:
+    """A member's progress as of the oldest call it has in flight (the one its group is
+    blocked on; with a single call pending that is the last one entered)."""
+    if not g.oldest_seq or not g.oldest_op:
+        return g
+    return msgspec.structs.replace(
+        g, last_enqueued=g.oldest_seq, pending_op=g.oldest_op,
+        pending_nbytes=g.oldest_nbytes, pending_dtype=g.oldest_dtype)
 
 
 def _left_group(obs: Observation, f: _Finding) -> set[int]:

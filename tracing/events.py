@@ -116,6 +116,17 @@ class GroupProgress(msgspec.Struct, frozen=True, kw_only=True):
     mismatch that hangs is told by); 0 when none is pending."""
     pending_dtype: Text = ""
     """Dtype of the pending op; "" when none is pending, or from a recorder that predates it."""
+    oldest_seq: U64 = 0
+    """With several calls in flight (DDP's gradient buckets, ZeRO's prefetches), the oldest one
+    this rank entered and has not seen complete: the call the group is blocked on, the one a
+    mismatch that hangs is in. 0 when at most one call is pending (then it is `last_enqueued`)
+    or from a recorder that predates it."""
+    oldest_op: Text = ""
+    """Op of `oldest_seq` ("" when it is 0)."""
+    oldest_nbytes: U64 = 0
+    """Bytes this rank passes to `oldest_seq`."""
+    oldest_dtype: Text = ""
+    """Dtype of `oldest_seq`."""
 
 
 @record_kind

@@ -219,8 +219,9 @@ def _mismatch(d: FaultDraft, x: _Draw, variant: str | None) -> None:
         nbytes = w.grad_bytes[idx]
     o = Override(key=key, step=f, idx=idx, rank=x.culprit, op=op, nbytes=nbytes)
     if d.variant == "op_hang":
-        o.op = _pick(rng, ("all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"),
-                     (0.4, 0.3, 0.3))
+        others = [alt for alt in ("all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                                  "all_reduce") if alt != op]
+        o.op = _pick(rng, tuple(others[:3]), (0.4, 0.3, 0.3))  # never the op it replaces
         o.hang = True
     elif d.variant == "size":
         o.nbytes = int(nbytes * float(rng.choice([0.5, 2.0]))) if rng.random() < 0.7 \

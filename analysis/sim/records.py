@@ -533,6 +533,10 @@ def _heartbeats(eng: Engine, w: Workload, ev: Events, *, comp: F64, hbt: F64, sl
                                                             DTYPES[int(ev.dtype[i])])
         for i in unfinished
     }
+    # ...and with several in flight, the oldest of them (the call the group is blocked on)
+    in_flight: dict[tuple[int, int], list[int]] = {}
+    for i in unfinished:
+        in_flight.setdefault((int(ev.rank[i]), int(ev.gid[i])), []).append(i)
     ends = np.stack(eng.step_end) if eng.step_end else np.zeros((0, n))
     reached = ends <= hbt[None, :]
     steps = reached.sum(axis=0)
@@ -550,11 +554,18 @@ def _heartbeats(eng: Engine, w: Workload, ev: Events, *, comp: F64, hbt: F64, sl
             if not slot_names[j][r]:
                 continue
             nbytes, dtype = pending_of.get((r, int(slots[r, j]), cols[j][0][r]), (0, ""))
+            later = [i for i in in_flight.get((r, int(slots[r, j])), ())
+                     if int(ev.seq[i]) > cols[j][1][r]]
+            first = min(later, key=lambda i: int(ev.seq[i])) if len(later) > 1 else -1
             progress.append(GroupProgress(
                 group=GroupId(slot_names[j][r]), last_enqueued=cols[j][0][r],
                 last_completed=cols[j][1][r], pending_op=cols[j][2][r],
                 last_enqueue_us=cols[j][3][r], last_complete_us=cols[j][4][r],
                 pending_nbytes=nbytes, pending_dtype=dtype,
+                oldest_seq=int(ev.seq[first]) if first >= 0 else 0,
+                oldest_op=OPS[int(ev.op[first])] if first >= 0 else "",
+                oldest_nbytes=int(ev.nbytes[first]) if first >= 0 else 0,
+                oldest_dtype=DTYPES[int(ev.dtype[first])] if first >= 0 else "",
             ))
         out.append(Heartbeat(
             job=ctx.job, attempt=ctx.attempt, node=NodeId(topo.node_of(r)), rank=Rank(r),

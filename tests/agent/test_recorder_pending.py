@@ -53,3 +53,37 @@ def test_pending_calls_report_their_size_and_dtype_until_they_complete() -> None
         "broadcast", 200, "int64")
     rec.end(b, False)
     assert progress(rec)["727"].pending_nbytes == 0
+
+
+def test_with_several_calls_in_flight_the_oldest_is_reported_too() -> None:
+    """DDP's gradient buckets: a rank enters several all_reduces before the first completes.
+    The group is blocked on the oldest; a mismatched call there would otherwise be hidden
+    behind the newer calls entered after it."""
+    rec = Recorder(job="job", attempt=0, node="n", rank=1, sink=Sink(), clock=Clock(),
+                   heartbeat_s=0.5, pid=7)
+    one = rec.begin("0", "all_reduce", 1000, "float32")
+    assert progress(rec)["0"].oldest_seq == 0  # one call pending: it is last_enqueued
+    odd = rec.begin("0", "reduce_scatter_tensor", 3000, "bfloat16")
+    rec.begin("0", "all_reduce", 2000, "float32")
+    rec.begin("0", "all_reduce", 2000, "float32")
+    rec.end(one, True)
+    g = progress(rec)["0"]
+    assert (g.last_enqueued, g.last_completed, g.pending_op) == (4, 1, "all_reduce")
+    assert (g.oldest_seq, g.oldest_op, g.oldest_nbytes, g.oldest_dtype) == (
+        2, "reduce_scatter_tensor", 3000, "bfloat16")
+    rec.end(odd, True)
+    assert (progress(rec)["0"].oldest_seq, progress(rec)["0"].oldest_op) == (3, "all_reduce")
+
+
+def test_calls_that_never_end_do_not_stay_the_oldest() -> None:
+    """A work object dropped unwaited never ends; once a later call completes, the group's
+    oldest call is the next one after it, not the forgotten one."""
+    rec = Recorder(job="job", attempt=0, node="n", rank=1, sink=Sink(), clock=Clock(),
+                   heartbeat_s=0.5, pid=7)
+    rec.begin("0", "all_reduce", 8, "float32")  # never ends
+    later = rec.begin("0", "all_reduce", 8, "float32")
+    rec.end(later, True)
+    rec.begin("0", "broadcast", 16, "int64")
+    rec.begin("0", "all_reduce", 8, "float32")
+    g = progress(rec)["0"]
+    assert (g.oldest_seq, g.oldest_op) == (3, "broadcast")

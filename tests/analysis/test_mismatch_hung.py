@@ -52,6 +52,25 @@ def test_a_hung_size_mismatch_is_told_from_heartbeats_alone() -> None:
     ]
 
 
+def test_a_mismatch_behind_newer_calls_in_flight_is_told_by_the_oldest() -> None:
+    """DDP's gradient buckets: every rank has entered buckets #41..#45 when the group hangs.
+    Rank 3 called reduce_scatter_tensor at #41, the call the group is blocked on; the last
+    call entered (#45) is all_reduce everywhere, so only the oldest call in flight shows it."""
+    beats = []
+    for r in range(8):
+        hb = waiting(r, seq=45)
+        g = msgspec.structs.replace(
+            hb.groups[0], last_completed=40, oldest_seq=41, oldest_nbytes=4096,
+            oldest_dtype="bfloat16",
+            oldest_op="reduce_scatter_tensor" if r == 3 else "all_reduce")
+        beats.append(msgspec.structs.replace(hb, groups=(g,)))
+    verdict, diagnosed = hung(beats)
+    assert verdict is not None and verdict == diagnosed
+    assert verdict.kind is IncidentKind.MISMATCH and verdict.culprit_ranks == (3,)
+    assert "reduce_scatter_tensor #41" in verdict.summary
+    assert "7 of 8 members ran all_reduce #41" in verdict.summary
+
+
 def test_a_hung_dtype_mismatch_names_the_odd_rank() -> None:
     beats = [waiting(r, dtype="float32" if r == 2 else "bfloat16") for r in range(4)]
     verdict, _ = hung(beats)

@@ -103,17 +103,23 @@ def test_a_store_made_before_new_fields_gets_their_columns(store: TraceStore) ->
     assert isinstance(store, SqlTraceStore)
     old = heartbeat(rank=0, step=3, time_us=1_700_000_000_500_000)
     store.insert(Batch(batch_id="before", records=(old,)))
-    for column in ("group_pending_nbytes", "group_pending_dtype"):
+    for column in ("group_pending_nbytes", "group_pending_dtype", "group_oldest_seq",
+                   "group_oldest_op", "group_oldest_nbytes", "group_oldest_dtype"):
         store._query(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}", {})
     store.ensure_schema()
     store.ensure_schema()  # nothing left to add
     (back,) = store.latest_heartbeats(JOB, 0)
     assert back.groups[0].pending_nbytes == 0 and back.groups[0].pending_dtype == ""
+    assert (back.groups[0].oldest_seq, back.groups[0].oldest_op) == (0, "")
     newer = msgspec.structs.replace(old, time_us=old.time_us + 1, groups=(
-        msgspec.structs.replace(old.groups[0], pending_nbytes=4096, pending_dtype="bfloat16"),))
+        msgspec.structs.replace(old.groups[0], pending_nbytes=4096, pending_dtype="bfloat16",
+                                oldest_seq=3, oldest_op="broadcast", oldest_nbytes=64,
+                                oldest_dtype="int64"),))
     store.insert(Batch(batch_id="after", records=(newer,)))
     (back,) = store.latest_heartbeats(JOB, 0)
     assert back.groups[0].pending_nbytes == 4096 and back.groups[0].pending_dtype == "bfloat16"
+    assert (back.groups[0].oldest_seq, back.groups[0].oldest_op, back.groups[0].oldest_nbytes,
+            back.groups[0].oldest_dtype) == (3, "broadcast", 64, "int64")
 
 
 def test_reopening_keeps_the_data(store_url: str) -> None:

@@ -51,7 +51,8 @@ collectives = st.builds(
 progress = st.builds(
     GroupProgress, group=group_ids, last_enqueued=U64, last_completed=U64,
     pending_op=MAYBE_EMPTY, last_enqueue_us=U64, last_complete_us=U64,
-    pending_nbytes=U64, pending_dtype=MAYBE_EMPTY,
+    pending_nbytes=U64, pending_dtype=MAYBE_EMPTY, oldest_seq=U64, oldest_op=MAYBE_EMPTY,
+    oldest_nbytes=U64, oldest_dtype=MAYBE_EMPTY,
 )
 heartbeats = st.builds(
     Heartbeat, job=jobs, attempt=I32, node=nodes, rank=ranks, time_us=U64, pid=I32, step=U64,
