@@ -178,11 +178,18 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
         # large group a rank that met more slow moments than its peers by chance is last a few
         # times its share; a slower GPU is last at most collectives of the step it is slow in;
         # in small groups, where the median rank is last often, a margin above it suffices)
-        candidate &= fraction >= min(settings.straggler_consistent_ratio * p0, (1.0 + p0) / 2,
+        consistent = fraction >= min(settings.straggler_consistent_ratio * p0, (1.0 + p0) / 2,
                                      p0 + settings.straggler_consistent_margin)
+        # (a window of few collectives, as in long pipeline steps, says little by counts: there
+        # a rank whose extra compute costs the job a large share of a step needs only to be
+        # last more often than the median rank)
+        few = n < settings.straggler_min_collectives * 2
+        candidate &= consistent | (few & (fraction > p0) & (last >= 2))
+        heavy_cost_needed = few & ~consistent
     else:
         # without blame, the arrival order corroborates: last well above the median rank
         candidate &= fraction >= min(settings.straggler_min_last_ratio * p0, (1.0 + p0) / 2)
+        heavy_cost_needed = np.zeros_like(candidate)
     step_us = _typical_step_us(obs.snapshot)
     if step_us > 0 and stats.active_us is not None:
         # ...and it costs the job: its extra compute per step, as a share of a step. Where
@@ -190,14 +197,21 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
         # last counts its lag once per pending collective, so a GPU a few percent slower looks
         # far slower than it is by the busy ratio alone; per step it costs a few percent.
         steps = np.maximum(stats.active_us.astype(np.float64) / step_us, 1.0)
-        candidate &= own.excess_us / steps >= settings.straggler_min_step_cost * step_us
+        cost = own.excess_us / steps / step_us
         if own.has_blame and one_group:
-            # ...and, where every rank does the same work in one group (plain DDP), the job
-            # waits on it for a good share of a step each time it is last, not by the few
-            # percent a GPU a little slower than its peers costs at each of its many last
-            # arrivals
-            lag = own.blame_us / np.maximum(last, 1.0)
-            candidate &= lag >= settings.straggler_min_lag * step_us
+            # Where every rank does the same work in one group (DDP, ZeRO) either the job
+            # waits on it for a good share of a step each time it is last (DDP: a GPU a few
+            # percent slower is last at many buckets but by a few percent of a step each), or
+            # its extra compute costs twice the usual share of a step (ZeRO: gathers every
+            # layer, so the lag at each is short however slow the rank).
+            lag = own.blame_us / np.maximum(last, 1.0) / step_us
+            candidate &= ((lag >= settings.straggler_min_lag)
+                          | (cost >= 2 * settings.straggler_min_step_cost))
+        else:
+            candidate &= cost >= settings.straggler_min_step_cost
+        candidate &= ~heavy_cost_needed | (cost >= 2 * settings.straggler_min_step_cost)
+    else:
+        candidate &= ~heavy_cost_needed
     idx = np.flatnonzero(candidate)
     if idx.size == 0:
         return None
