@@ -346,3 +346,14 @@ def own_time(stats: RankStats, judged: npt.NDArray[np.bool_],
         peer_gaps=peer_share * active / unit,
         blame_us=blame, blame_share=blame / active, has_blame=stats.blame_us is not None,
     )
+
+
+def typical_step_us(snap: JobSnapshot) -> float:
+    """The median rank's mean step time since its first step, from the heartbeats (0 when no
+    rank has finished two steps)."""
+    per = [
+        (hb.step_us - hb.first_step_us) / (hb.step - hb.start_step - 1)
+        for hb in snap.heartbeats
+        if hb.step > hb.start_step + 1 and hb.step_us > hb.first_step_us > 0
+    ]
+    return float(np.median(per)) if per else 0.0

@@ -154,6 +154,11 @@ class DetectionSettings:
     is blamed rather than one link."""
 
     # hardware (analysis.hardware)
+    throttle_min_excess: float = 1.08
+    """A GPU that reports throttling or slowed clocks is a hardware verdict when its rank
+    computes at least this many times as long as its role peers, over more than one pause's
+    worth (`analysis.hardware.detect_throttled_gpu`): the event makes a smaller slowdown than a
+    straggler's credible, the measured slowdown makes the event matter."""
     health_slack_s: float = 30.0
     """Health events this long before the window (or after it) still count as coinciding; for a
     stop, this long before the culprits' last activity or after their peers started waiting."""

@@ -40,6 +40,7 @@ from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_h
 from tracehound.analysis.hardware import (
     correlate_hardware,
     detect_slow_node,
+    detect_throttled_gpu,
     with_health_evidence,
 )
 from tracehound.analysis.links import detect_slow_link
@@ -116,4 +117,4 @@ def diagnose_observation(obs: Observation | JobSnapshot,
             return hardware
     if anomalies:
         return with_health_evidence(anomalies[0], obs, settings)
-    return detect_slow_node(obs, settings)
+    return detect_throttled_gpu(obs, settings) or detect_slow_node(obs, settings)

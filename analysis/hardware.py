@@ -102,6 +102,12 @@ of them with rows), so a one-off pause (GC, I/O) never counts. The nodes that sh
 with the slow node wait for it and are late too: the health event tells them apart, which is
 why this check only runs when no sharper anomaly fired.
 
+A throttled GPU (`detect_throttled_gpu`) is the one health event that may lead: a thermal or
+power throttle of 10-30% is below what the straggler rule names from timing alone, so a SLOWDOWN
+sample on one GPU whose rank measurably computes longer than its role peers (and than the rest
+of its node) is a hardware verdict on that rank. A throttle sample of one GPU never explains a
+slow node: that takes half the node's GPUs or a host-wide sample.
+
 Pure: no I/O, no clock.
 """
 
@@ -124,7 +130,11 @@ from tracehound.analysis.common import (
     group_members,
     ms,
     node_ranks,
+    own_time,
+    pct,
     rank_nodes,
+    role_groups,
+    typical_step_us,
     who,
 )
 from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, WEAK, nudged
@@ -551,11 +561,20 @@ def _slow_node_events(obs: Observation,
                       settings: DetectionSettings) -> dict[str, list[HealthSample]]:
     """The samples near the window that can explain a slow node (its column of the table),
     per node, worst and earliest first."""
-    return {
-        node: kept
-        for node, samples in health_events(obs, settings).items()
-        if (kept := [s for s in samples if _makes_slow_node(health_kind(s))])
-    }
+    per_node = node_ranks(rank_nodes(obs.snapshot))
+    out: dict[str, list[HealthSample]] = {}
+    for node, samples in health_events(obs, settings).items():
+        kept = [s for s in samples if _makes_slow_node(health_kind(s))]
+        # Throttling of one GPU slows one rank (`detect_throttled_gpu`), not its node: a node
+        # slowed alike needs it reported by at least half its GPUs, or for the whole host.
+        throttled = {g for s in kept if health_kind(s) is HealthKind.SLOWDOWN
+                     and (g := _gpu_index(s.device)) is not None}
+        if 0 < len(throttled) < max(2, len(per_node.get(node, ())) / 2):
+            kept = [s for s in kept if health_kind(s) is not HealthKind.SLOWDOWN
+                    or _gpu_index(s.device) is None]
+        if kept:
+            out[node] = kept
+    return out
 
 
 def _late_windows(obs: Observation, node: str, nodes: dict[int, str],
@@ -643,5 +662,83 @@ def detect_slow_node(obs: Observation, settings: DetectionSettings) -> Verdict |
         culprit_ranks=ranks, culprit_nodes=(node,), confidence=STRONG if critical else LIKELY,
         basis=Basis.HEALTH_CORRELATION,
         summary=f"{_event_words(events[node][0], obs)} coincides with a slow node: {late_words}",
+        evidence=tuple(evidence[: settings.max_evidence]), observed_at_us=obs.snapshot.now_us,
+    )
+
+
+_PAUSES = 1.5
+"""A throttled rank's extra compute outside its longest gap is at least this many times that
+gap's excess (so one pause, an evaluation or a checkpoint write, is not mistaken for it)."""
+
+
+def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdict | None:
+    """A hardware verdict on a GPU that reports throttling or slowed clocks (a warning or
+    critical SLOWDOWN sample near the window) while its rank computes measurably longer than
+    its role peers: `throttle_min_excess` x, by `straggler_min_excess_us` in all and by
+    `straggler_min_step_cost` of each step, not in one pause, and the slowest rank of its node
+    (a node slowed alike is `detect_slow_node`'s).
+
+    A thermal or power throttle of 10-30% is below what the straggler rule needs to name a rank
+    from timing alone; the device's own report makes the smaller slowdown credible, and the
+    measured slowdown keeps a harmless clock event (a brief power cap) from mattering."""
+    stats = obs.ranks
+    if stats is None:
+        return None
+    judged = stats.n >= settings.straggler_busy_min_collectives
+    if int(judged.sum()) < 2:
+        return None
+    own = own_time(stats, judged, role_groups(obs.snapshot, obs.links, stats.rank))
+    if own is None:
+        return None
+    step_us = typical_step_us(obs.snapshot)
+    if step_us <= 0 or stats.active_us is None:
+        return None
+    # its extra compute costs the job a share of each step, as a straggler's must
+    steps = np.maximum(np.asarray(stats.active_us, dtype=np.float64) / step_us, 1.0)
+    nodes = rank_nodes(obs.snapshot)
+    gpus = rank_gpus(obs.snapshot, settings)
+    by_node = node_ranks(nodes)
+    position = {int(r): i for i, r in enumerate(stats.rank)}
+    found: list[tuple[float, int, HealthSample]] = []
+    for node, samples in health_events(obs, settings).items():
+        for s in samples:
+            if health_kind(s) is not HealthKind.SLOWDOWN:
+                continue
+            gpu = _gpu_index(s.device)
+            ranks = [r for r in by_node.get(node, ()) if r in position and judged[position[r]]
+                     and (gpu is None or gpus.get(r) == gpu)]
+            if gpu is None or len(ranks) != 1:
+                continue  # the sample names no one rank's GPU
+            i = position[ranks[0]]
+            mates = [position[r] for r in by_node.get(node, ()) if r in position and r != ranks[0]]
+            if (own.excess_us[i] / steps[i] >= settings.straggler_min_step_cost * step_us
+                    and own.ratio[i] >= settings.throttle_min_excess
+                    and own.excess_us[i] >= settings.straggler_min_excess_us
+                    and own.rest_excess_us[i] >= _PAUSES * own.longest_excess_us[i]
+                    and all(own.ratio[i] > own.ratio[j] for j in mates)):
+                found.append((-float(own.ratio[i]), ranks[0], s))
+    if not found:
+        return None
+    found.sort(key=lambda f: (f[0], -_SEVERITY[f[2].severity], f[2].time_us))
+    _, rank, sample = found[0]
+    i = position[rank]
+    node = nodes.get(rank, "unknown")
+    critical = sample.severity is HealthSeverity.CRITICAL
+    slow = (
+        f"rank {rank} on node {node} computes {own.ratio[i]:.2f}x as long as its role peers: "
+        f"outside its operations {pct(own.share[i])} of its time against their "
+        f"{pct(own.peer_share[i])}, about {ms(float(own.excess_us[i]))} more over "
+        f"{int(stats.n[i])} collectives"
+    )
+    evidence = [
+        *_health_evidence([x for _, r, x in found if r == rank], obs, rank, _EVENTS_PER_NODE),
+        Evidence(fact=Fact.LATE, rank=rank, node=node, detail=slow,
+                 value=round(float(own.ratio[i]), 4)),
+    ]
+    return Verdict(
+        job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.HARDWARE,
+        culprit_ranks=(rank,), culprit_nodes=(node,), confidence=STRONG if critical else LIKELY,
+        basis=Basis.HEALTH_CORRELATION,
+        summary=f"{_event_words(sample, obs)} on the GPU of a slow rank: {slow}",
         evidence=tuple(evidence[: settings.max_evidence]), observed_at_us=obs.snapshot.now_us,
     )

@@ -50,12 +50,12 @@ from tracehound.analysis.common import (
     rank_nodes,
     role_groups,
     span,
+    typical_step_us,
     who,
 )
 from tracehound.analysis.confidence import CERTAIN, LIKELY, WEAK, between
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
-from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
 from tracehound.tracing.summaries import F64, I64, RankStats
@@ -152,17 +152,6 @@ def _needed_gaps(own: OwnTime, n: I64, settings: DetectionSettings) -> F64:
     return np.minimum(settings.straggler_min_excess_gaps, per_gap * (gaps - 1.0))
 
 
-def _typical_step_us(snap: JobSnapshot) -> float:
-    """The median rank's mean step time since its first step, from the heartbeats (0 when no
-    rank has finished two steps)."""
-    per = [
-        (hb.step_us - hb.first_step_us) / (hb.step - hb.start_step - 1)
-        for hb in snap.heartbeats
-        if hb.step > hb.start_step + 1 and hb.step_us > hb.first_step_us > 0
-    ]
-    return float(np.median(per)) if per else 0.0
-
-
 def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats, own: OwnTime,
                 judged: npt.NDArray[np.bool_], *, has_groups: bool,
                 one_group: bool) -> Verdict | None:
@@ -190,7 +179,7 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
         # without blame, the arrival order corroborates: last well above the median rank
         candidate &= fraction >= min(settings.straggler_min_last_ratio * p0, (1.0 + p0) / 2)
         heavy_cost_needed = np.zeros_like(candidate)
-    step_us = _typical_step_us(obs.snapshot)
+    step_us = typical_step_us(obs.snapshot)
     if step_us > 0 and stats.active_us is not None:
         # ...and it costs the job: its extra compute per step, as a share of a step. Where
         # collectives overlap compute (gradient buckets) the busy time of the rank that is

@@ -39,7 +39,8 @@ STALLED = frozenset({"compute_stuck", "sigstop", "op_hang", "skip", "xid_hang", 
 
 HealthNote = tuple[int, str, str, float, HealthSeverity, str, str]
 """(rank, metric, device, value, severity, detail, when) of a health event to report; when is
-"stop" or "stall" (as the fault strikes), "onset" (as it starts to show), "start" (early in the
+"stop" or "stall" (as the fault strikes), "onset" (as it starts to show; a state that persists,
+so a window starting later sees it in the agent's periodic samples), "start" (early in the
 window) or "any"."""
 
 
@@ -417,8 +418,11 @@ def add_red_herrings(d: FaultDraft, topo: Topology, steps: int,
 
 _WARNINGS = (("pcie_replays", "PCIe replay counter increased", 1, 20),
              ("ecc_correctable", "single bit ECC errors", 1, 8),
-             ("nic_errors", "link-level retransmissions", 1, 30))
-"""Harmless health warnings: (metric, detail, lowest count, highest count)."""
+             ("nic_errors", "link-level retransmissions", 1, 30),
+             ("clocks_event_reasons", "SW power cap (clocks event reason 0x4)", 4, 4))
+"""Harmless health warnings: (metric, detail, lowest count, highest count). The power cap
+one is a clock event healthy fleets report all the time, of the kind that explains slow
+computation: it must not make a GPU running at full speed a hardware fault."""
 
 
 def _warning(topo: Topology, rank: int, rng: np.random.Generator) -> HealthNote:

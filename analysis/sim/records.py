@@ -647,7 +647,10 @@ def _health(tl: Timeline, rng: np.random.Generator, *, start: float,
         out.append(HealthSample(job=job, node=node, device=dev, time_us=int(times[1, r]),
                                 source="nvml", metric="sm_clock_mhz",
                                 value=round(float(sm_clock[r])), severity=HealthSeverity.INFO))
-    for (r, metric, dev, value, severity, detail, _), at in tl.notes:
+    for (r, metric, dev, value, severity, detail, when), noted in tl.notes:
+        # a state that began before the window and persists (a throttled GPU stays throttled):
+        # the agent's periodic samples report it again inside the window
+        at = float(rel[0, r]) if when == "onset" and noted <= start else noted
         if not start <= at < now:
             continue
         out.append(HealthSample(job=job, node=NodeId(topo.node_of(r)), device=dev,

@@ -369,15 +369,17 @@ def test_a_crash_keeps_its_kind_and_gains_the_health_evidence() -> None:
 # -- slow nodes ---------------------------------------------------------------------------------
 
 
-def slow_node(*samples: tuple[str, str, HealthSeverity]) -> Observation:
+def slow_node(*samples: tuple[str, str, HealthSeverity], device: str = "gpu3") -> Observation:
     """Every rank of node-2 (ranks 16..23, one TP group) computes 30% slower (degraded NVLink
     stretching its tensor-parallel work): nobody within the node stands out, the node arrives
-    late at every data-parallel all-reduce. Health samples as (node, metric, severity)."""
+    late at every data-parallel all-reduce. Health samples as (node, metric, severity), all on
+    `device`."""
     slow = {r: 1.3 for r in range(16, 24)}
     a = arrivals(slow=slow, seed=5)
     snap = snapshot(a.end_us, 64, members=groups(8, 64))
     return observe(snap, start_us=a.start_us, ranks=a.ranks, node_windows=a.node_windows,
-                   health=tuple(health(n, m, a.end_us - S, severity=sev, value=40.0)
+                   health=tuple(health(n, m, a.end_us - S, severity=sev, value=40.0,
+                                       device=device)
                                 for n, m, sev in samples))
 
 
@@ -408,8 +410,10 @@ def test_a_slow_node_without_a_relevant_health_event_on_it_is_no_hardware_verdic
         assert detect_slow_node(slow_node(("node-2", low, WARNING)), SETTINGS) is None
     # A NIC would slow the node's links, which the slow-link check judges.
     assert detect_slow_node(slow_node(("node-2", "nic_errors", WARNING)), SETTINGS) is None
-    power = detect_slow_node(slow_node(("node-2", "power_cap", WARNING)), SETTINGS)
+    # A power cap of the whole host slows every GPU of it; one GPU's slows one rank only.
+    power = detect_slow_node(slow_node(("node-2", "power_cap", WARNING), device="host"), SETTINGS)
     assert power is not None and power.culprit_nodes == ("node-2",)
+    assert detect_slow_node(slow_node(("node-2", "power_cap", WARNING)), SETTINGS) is None
 
 
 def test_a_health_event_without_an_anomaly_is_no_verdict() -> None:

@@ -141,3 +141,34 @@ def test_an_xid_79_on_the_hung_ranks_gpu_is_hardware() -> None:
           f"hang was seen ({len(SEEDS)} seeds)")
     assert judged >= len(SEEDS) // 2
     assert found == judged
+
+
+def test_a_throttled_gpu_too_slightly_slow_for_a_straggler_verdict_is_hardware() -> None:
+    """Thermal throttles of 1.1-1.8x on field jobs (`detect_throttled_gpu`): where the timing
+    alone names no straggler, the GPU's throttle report and its rank's measured excess compute
+    together make a hardware verdict on that rank."""
+    found = led = 0
+    for seed in range(12):
+        sim = simulate(ranks=RANKS, fault="hardware", variant="thermal", seed=100 + seed)
+        obs = sim.observation()
+        verdict = diagnose_observation(obs)
+        right = (verdict is not None and verdict.kind is IncidentKind.HARDWARE
+                 and verdict.culprit_ranks[0] == sim.truth.culprit_ranks[0])
+        found += right
+        led += right and "on the GPU of a slow rank" in verdict.summary
+    print(f"\nthermal throttles named as hardware: {found} of 12 ({led} from the GPU's report)")
+    assert found >= 9 and led >= 1
+
+
+def test_a_power_cap_report_on_a_gpu_at_full_speed_changes_nothing() -> None:
+    """A clock event healthy fleets report all the time, on healthy jobs' GPUs (each rank's in
+    turn): no verdict, since no rank computes measurably longer than its peers."""
+    for seed in range(4):
+        sim = simulate(ranks=RANKS, fault=None, seed=200 + seed)
+        obs = sim.observation()
+        assert diagnose_observation(obs) is None, seed
+        for rank in range(0, RANKS, 7):
+            cap = sample(sim, rank, "clocks_event_reasons", 4.0, HealthSeverity.WARNING,
+                         obs.window_start_us + S, "SW power cap (clocks event reason 0x4)")
+            assert diagnose_observation(replace(obs, health=(*obs.health, cap))) is None, (
+                seed, rank)
