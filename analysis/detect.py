@@ -146,6 +146,9 @@ class DetectionSettings:
     link_min_ratio: float = 1.5
     """...and at least this multiple of the median (its mean taken without its worst transfer;
     two network hiccups among a dozen transfers still lift a healthy link to ~1.45x)."""
+    link_full_margin_transfers: float = 16.0
+    """Links of up to this many transfers need all of `link_min_ratio`; one of n more needs
+    1 + (link_min_ratio - 1) x this / n, and at least `link_node_min_ratio`."""
     link_node_min_ratio: float = 1.25
     """A node's links count as slow from this multiple on (with the same z-score): many links
     together need less margin each than one."""

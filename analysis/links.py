@@ -6,7 +6,10 @@ within their class only (both ends on one node vs on two nodes: NVLink and the n
 an order of magnitude). A link is slow when its mean transfer time is `link_min_z` robust
 deviations (1.4826 MAD) and `link_min_ratio` x above its class median; a link's mean is taken
 without its single worst transfer (n * mean - max) / (n - 1), so one network hiccup (a transfer
-stalled for 300 ms) does not make a link slow, while a consistently slow link stays slow.
+stalled for 300 ms) does not make a link slow, while a consistently slow link stays slow. The
+margin shrinks with the link's transfers past `link_full_margin_transfers` (a hiccup left after
+trimming weighs less in a longer mean), to `link_node_min_ratio` at most: a link 2x slower in
+bandwidth moves a transfer that also pays fixed latency about 1.3-1.5x slower.
 
 A node is judged on all its links together, so each needs less margin (`link_node_min_ratio`):
 when such slow links reach at least two different peers of a node and make up
@@ -127,7 +130,14 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
         ratio[sel] = transfer[sel] / max(center, _FLOOR_US)
         median[sel] = center
         comparable[sel] = in_class
-    slow = judged & (z >= settings.link_min_z) & (ratio >= settings.link_min_ratio)
+    # One hiccup left after trimming lifts a link's mean by its size over the link's transfers:
+    # a link of many transfers needs less margin (down to the node margin) than one of a dozen.
+    needed = np.maximum(
+        settings.link_node_min_ratio,
+        1.0 + (settings.link_min_ratio - 1.0)
+        * np.minimum(1.0, settings.link_full_margin_transfers / np.maximum(count, 1.0)),
+    )
+    slow = judged & (z >= settings.link_min_z) & (ratio >= needed)
     # A node is judged on all its links together, so each of them needs less margin.
     weak = judged & (z >= settings.link_min_z) & (ratio >= settings.link_node_min_ratio)
     if not weak.any():

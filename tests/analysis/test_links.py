@@ -88,6 +88,16 @@ def test_one_hiccup_does_not_make_a_link_slow() -> None:
     assert detect_slow_link(observation(hiccup), SETTINGS) is None
 
 
+def test_a_link_of_many_transfers_needs_less_margin_than_one_of_a_dozen() -> None:
+    """A link 2x slower in bandwidth moves transfers that also pay fixed latency ~1.35x slower.
+    Over 64 transfers that is no leftover hiccup (one would lift the trimmed mean by a few
+    percent): slow. Over 12, two hiccups can lift a healthy link that far: not slow."""
+    rows = pipeline_links({(5, 21): 1.35})
+    many = detect_slow_link(observation(links(rows, n=64)), SETTINGS)
+    assert many is not None and many.culprit_link == (5, 21)
+    assert detect_slow_link(observation(links(rows, n=12)), SETTINGS) is None
+
+
 def test_healthy_links_give_no_verdict() -> None:
     for seed in range(10):
         assert detect_slow_link(observation(links(pipeline_links(seed=seed))), SETTINGS) is None
