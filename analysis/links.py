@@ -23,8 +23,10 @@ first member): that is the time from a collective's first arrival to its complet
 for every member whatever its own arrival, so it measures the collectives, not the rank's place
 in the pipeline (its mean wait alone does not: the last pipeline stage waits longest in the
 world all-reduce). Collectives of different stages may differ in size, so the order stays a hint.
-Otherwise the slowest link is: both its ranks, the one whose other links are slower first (the
-sender when nothing tells them apart).
+Otherwise the slowest link is: both its ranks, the one whose other links are slower first; where
+those do not tell (a pipeline pair has no other link), the one whose collectives take longer from
+first arrival to completion (a NIC per GPU slows its rank's data-parallel collectives too); the
+sender when nothing tells them apart.
 
 A slow GPU makes its transfers look slow too (its kernels start late), but it is slow at
 everything: at its own compute above all. A link with an end that computes markedly longer than
@@ -77,6 +79,17 @@ def _collective_time(obs: Observation, node: str, nodes: dict[int, str]) -> floa
     if not on.any():
         return 0.0
     return float((stats.wait_mean_us[on] + stats.lateness_mean_us[on]).mean())
+
+
+def _rank_collective_time(obs: Observation, rank: int) -> float:
+    """One rank's wait + lateness (see `_collective_time`; 0 without rank statistics)."""
+    stats = obs.ranks
+    if stats is None:
+        return 0.0
+    at = np.flatnonzero(stats.rank == rank)
+    if at.size == 0:
+        return 0.0
+    return float(stats.wait_mean_us[at[0]] + stats.lateness_mean_us[at[0]])
 
 
 def _slow_computing(obs: Observation, settings: DetectionSettings) -> set[int]:
@@ -247,6 +260,12 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
     ends = [(s, names[src_code[worst]]), (d, names[dst_code[worst]])]
     if d_other >= _END_MARGIN * s_other:
         ends.reverse()
+    elif s_other < _END_MARGIN * d_other:
+        # the links do not tell the ends apart (a pipeline pair has no other link): a slow
+        # NIC also slows its rank's inter-node collectives, the peer's stay as they were
+        s_time, d_time = _rank_collective_time(obs, s), _rank_collective_time(obs, d)
+        if d_time >= _END_MARGIN * s_time > 0:
+            ends.reverse()
     culprit_ranks = tuple(r for r, _ in ends)
     culprit_nodes = tuple(dict.fromkeys(n for _, n in ends))
     # Twice as slow as comparable links is surely slow; from 1.5x to 2x, load may explain some.

@@ -121,6 +121,24 @@ def boundary_stats(wait: dict[int, float], lateness: dict[int, float]) -> RankSt
     )
 
 
+def test_a_pipeline_pair_s_end_whose_collectives_take_longer_comes_first() -> None:
+    """Ranks 5 and 37 only talk to each other (two stages: r <-> r + 32) and both directions
+    are slow: the links cannot tell the ends apart. Rank 37's NIC also slows its data-parallel
+    collectives (node-4's ranks' collectives take longer from first arrival to completion):
+    it is named first; with nothing to tell them apart, the sender is."""
+    rows = []
+    for r in range(32):
+        for src, dst in ((r, r + 32), (r + 32, r)):
+            rows.append((src, dst, (2_000.0 if r == 5 else 800.0) + 3.0 * r))
+    slow_peer = boundary_stats(wait={}, lateness={4: 3_000.0})
+    verdict = detect_slow_link(observe(snapshot(NOW, 64), links=links(rows), ranks=slow_peer),
+                               SETTINGS)
+    assert verdict is not None and verdict.culprit_ranks == (37, 5)
+    even = detect_slow_link(observe(snapshot(NOW, 64), links=links(rows),
+                                    ranks=boundary_stats(wait={}, lateness={})), SETTINGS)
+    assert even is not None and even.culprit_ranks == (5, 37)
+
+
 def test_at_a_pipeline_boundary_the_node_whose_collectives_take_longer_comes_first() -> None:
     # Two stages of 32 ranks: r <-> r + 32, so node-0's links all go to node-4 and back. Every
     # one of them is slow: the links cannot tell node-0 from node-4.
