@@ -128,6 +128,9 @@ class DetectionSettings:
     least this share of a step: a GPU 2-6% slower than its peers is last at many collectives
     but by a few percent of a step and is no straggler to act on; one 1.3x slower keeps the job
     waiting 12-40% of a step."""
+    straggler_one_group_min_last: float = 0.3
+    """Where every rank does the same work in one group (plain DDP, ZeRO), a compute straggler
+    is last at at least this share of its collectives."""
     straggler_consistent_margin: float = 0.1
     """...or, whichever is less, last at this share of its collectives more than the median
     rank."""

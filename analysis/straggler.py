@@ -196,6 +196,10 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
             lag = own.blame_us / np.maximum(last, 1.0) / step_us
             candidate &= ((lag >= settings.straggler_min_lag)
                           | (cost >= 2 * settings.straggler_min_step_cost))
+            # ...and, every rank meeting every collective, it is last at a large share of
+            # them: a slower GPU at most of each step's; a GPU a few percent slower, or one
+            # that met more pauses than its peers, mostly at less than a quarter
+            candidate &= fraction >= settings.straggler_one_group_min_last
         else:
             candidate &= cost >= settings.straggler_min_step_cost
         candidate &= ~heavy_cost_needed | (cost >= 2 * settings.straggler_min_step_cost)

