@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tracehound.controller import tracefiles
 from tracehound.tracing import logs
@@ -388,5 +390,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The `tracehound` command: `main`, then exit with its status. After an interrupt (130)
+    every rank is stopped and the store closed already; the process then exits at once, so a
+    signal arriving while the interpreter tears down (its handlers back to the defaults, and the
+    embedded store's native threads still winding down) cannot turn a clean stop into death by
+    signal."""
+    code = main()
+    if code == 130:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
