@@ -259,3 +259,24 @@ def test_disagreements_in_sql_carry_the_sibling_reference(store: TraceStore) -> 
     assert_store_matches_numpy(store, JOB, case)
     # The limit counts disagreements; each keeps its reference.
     assert store.disagreements(JOB, 0, T0, T0 + 100, limit=2) == got[:2]
+
+
+def test_clock_corrected_summaries_of_a_job_on_1600_nodes(store: TraceStore) -> None:
+    """One rank per node, every node's clock corrected: the summary queries name 1,600
+    offsets and drifts (about 400 KB of SQL), past the engines' default query size and AST
+    limits (`sql.QUERY_LIMITS` raises them on both adapters)."""
+    from tracehound.analysis.sim import reference as summaries
+
+    case = random_case(5, ranks=1_600)
+    case = dataclasses.replace(case, node_of_rank={r: f"node-{r}" for r in case.node_of_rank})
+    store.insert_columns(JOB, 0, case.cols, case.node_of_rank, batch_id="many-nodes")
+    clock = skewed_clock(case)
+    assert len(clock.nodes) >= 1_600
+    assert_rank_stats(
+        store.rank_stats(JOB, 0, case.start_us, case.end_us, clock=clock),
+        summaries.rank_stats(case.cols, case.start_us, case.end_us, clock=clock,
+                             node_of_rank=case.node_of_rank))
+    assert_link_stats(
+        store.link_stats(JOB, 0, case.start_us, case.end_us, clock=clock),
+        summaries.link_stats(case.cols, case.start_us, case.end_us, clock=clock,
+                             node_of_rank=case.node_of_rank))

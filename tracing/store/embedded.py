@@ -31,7 +31,7 @@ import numpy.typing as npt
 from tracehound.tracing.errors import PermanentStoreError, StoreConfigError
 from tracehound.tracing.store.engine import Row, SqlTraceStore
 from tracehound.tracing.store.schema import Table
-from tracehound.tracing.store.sql import Param, Params
+from tracehound.tracing.store.sql import QUERY_LIMITS, Param, Params
 from tracehound.tracing.store.urls import embedded_path
 
 EMBEDDED_DATABASE = "tracehound"
@@ -133,6 +133,8 @@ class EmbeddedClickHouseStore(SqlTraceStore):
             raise StoreConfigError(self._held_message(holder))
         try:
             self._session: Any = session.Session(path)  # type: ignore[no-untyped-call]
+            for name, value in QUERY_LIMITS.items():
+                self._session.query(f"SET {name} = {int(value)}")  # type: ignore[no-untyped-call]
         except Exception as exc:
             raise self._open_error(exc) from exc
         self._lock = threading.Lock()

@@ -23,7 +23,7 @@ from typing import Any
 from tracehound.tracing.errors import PermanentStoreError, StoreError, TemporaryStoreError
 from tracehound.tracing.store.engine import Row, SqlTraceStore
 from tracehound.tracing.store.schema import Table
-from tracehound.tracing.store.sql import Params, to_pyformat
+from tracehound.tracing.store.sql import QUERY_LIMITS, Params, to_pyformat
 from tracehound.tracing.store.urls import mask_url, parse_server_url
 
 _TEMPORARY_SERVER_CODES = frozenset({
@@ -70,6 +70,7 @@ class ClickHouseServerStore(SqlTraceStore):
             connect_timeout=connect_timeout,
             send_receive_timeout=send_receive_timeout,
             sync_request_timeout=connect_timeout,
+            settings=dict(QUERY_LIMITS),
         )
         self._lock = threading.Lock()
 

@@ -243,6 +243,16 @@ ORDER BY group_id, node, bucket
 median completion (definitions: tracing/summaries.py ClockSamples)."""
 
 
+QUERY_LIMITS: dict[str, int] = {
+    "max_query_size": 64 << 20,
+    "max_ast_elements": 10_000_000,
+    "max_expanded_ast_elements": 10_000_000,
+}
+"""Session settings of both adapters: a clock-corrected summary of a job on 1,280 nodes names
+every node's offset and drift (`aligned_time`) in a query of about 300 KB, past the engines'
+default 256 KiB and 50,000 AST elements."""
+
+
 def aligned_time(column: str, nodes: int) -> str:
     """`column` (enqueue_us or complete_us) as Int64 on the common clock, with one
     `{clk_node_<i>:String}`, `{clk_off_<i>:Float64}` and `{clk_drift_<i>:Float64}` placeholder per
