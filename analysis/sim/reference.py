@@ -54,11 +54,11 @@ def _p2p_rows(group_codes: I64, groups: npt.NDArray[np.str_]) -> npt.NDArray[np.
     return is_p2p[group_codes]
 
 
-def _row_nodes(cols: CollectiveColumns,
+def _row_nodes(rank: I64,
                node_of_rank: Mapping[int, str]) -> tuple[npt.NDArray[np.str_], I64]:
-    """(sorted distinct nodes, the node code of every row). Raises ValueError for a rank
-    without a node in `node_of_rank`."""
-    ranks, rcode = np.unique(cols.rank, return_inverse=True)
+    """(sorted distinct nodes, the node code of every row) for rows of ranks `rank`. Raises
+    ValueError for a rank without a node in `node_of_rank`."""
+    ranks, rcode = np.unique(rank, return_inverse=True)
     missing = [int(r) for r in ranks if int(r) not in node_of_rank]
     if missing:
         raise ValueError(f"node_of_rank has no node for ranks {missing[:10]}")
@@ -76,7 +76,7 @@ def _times(cols: CollectiveColumns, clock: ClockCorrection | None,
         return cols.enqueue_us, cols.complete_us
     if node_of_rank is None:
         raise ValueError("a clock correction needs node_of_rank")
-    nodes, code = _row_nodes(cols, node_of_rank)
+    nodes, code = _row_nodes(cols.rank, node_of_rank)
     return (clock.align(cols.enqueue_us, code, nodes),
             clock.align(cols.complete_us, code, nodes))
 
@@ -346,14 +346,7 @@ def node_windows(
     node in `node_of_rank`."""
     buckets = bucket_count(start_us, end_us, window_us)
     a = _arrivals(cols, start_us, end_us, clock=clock, node_of_rank=node_of_rank)
-    ranks, rcode = np.unique(a.rank, return_inverse=True)
-    missing = [int(r) for r in ranks if int(r) not in node_of_rank]
-    if missing:
-        raise ValueError(f"node_of_rank has no node for ranks {missing[:10]}")
-    nodes, ncode_of_rank = np.unique(
-        np.array([node_of_rank[int(r)] for r in ranks], dtype=np.str_), return_inverse=True
-    )
-    ncode = ncode_of_rank.reshape(-1)[rcode.reshape(-1)]
+    nodes, ncode = _row_nodes(a.rank, node_of_rank)
     bucket = np.clip((a.enqueue_us - start_us) // window_us, 0, max(buckets - 1, 0))
     cells = buckets * nodes.shape[0]
     cell = bucket * nodes.shape[0] + ncode
@@ -394,7 +387,7 @@ def clock_samples(cols: CollectiveColumns, node_of_rank: Mapping[int, str], star
         nbytes=cols.nbytes[rows], dtype=cols.dtype[rows], peer=cols.peer[rows],
         completed=cols.completed[rows], enqueue_us=cols.enqueue_us[rows],
         complete_us=cols.complete_us[rows])
-    nodes, ncode = _row_nodes(sub, node_of_rank)
+    nodes, ncode = _row_nodes(sub.rank, node_of_rank)
     seq, comp = sub.seq, sub.complete_us
     order = np.lexsort((comp, seq, gcode))
     gcode, seq, comp, ncode = gcode[order], seq[order], comp[order], ncode[order]
