@@ -246,7 +246,14 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
         )
         for i in idx[: settings.max_evidence]
     )
-    summary = words(lead)
+    return _verdict(obs, culprits, nodes, confidence=confidence, lead_words=words(lead),
+                    evidence=evidence)
+
+
+def _verdict(obs: Observation, culprits: tuple[int, ...], nodes: Mapping[int, str], *,
+             confidence: float, lead_words: str, evidence: tuple[Evidence, ...]) -> Verdict:
+    """The straggler verdict on `culprits`, its summary led by the first culprit's words."""
+    summary = lead_words
     if len(culprits) > 1:
         summary = f"{who(culprits, nodes)} straggle; " + summary
     return Verdict(
@@ -361,12 +368,5 @@ def _by_arrival(obs: Observation, settings: DetectionSettings) -> Verdict | None
         )
         for i in culprit_idx[: settings.max_evidence]
     )
-    summary = words(lead)
-    if len(culprits) > 1:
-        summary = f"{who(culprits, nodes)} straggle; " + summary
-    return Verdict(
-        job=obs.snapshot.job, attempt=obs.snapshot.attempt, kind=IncidentKind.STRAGGLER,
-        culprit_ranks=culprits, culprit_nodes=ordered_nodes(culprits, nodes),
-        confidence=confidence, basis=Basis.ARRIVAL_LATENESS, summary=summary,
-        evidence=evidence, observed_at_us=obs.snapshot.now_us,
-    )
+    return _verdict(obs, culprits, nodes, confidence=confidence, lead_words=words(lead),
+                    evidence=evidence)
