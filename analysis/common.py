@@ -306,6 +306,18 @@ class OwnTime:
     """blame_us per us active (sums over overlapping collectives: may exceed 1)."""
     has_blame: bool
 
+    def spread_out(self) -> npt.NDArray[np.bool_]:
+        """Per rank: whether its extra compute is spread over its gaps, as a slow GPU's is,
+        rather than put in a few long ones, as pauses put theirs (`PAUSES`)."""
+        return self.rest_excess_us >= PAUSES * self.longest_excess_us
+
+
+PAUSES = 1.5
+"""A slow GPU spreads its excess over all its gaps, pauses put theirs in a few long ones: the
+excess of a rank's other gaps must be more than this many pauses as long as its longest gap's
+excess (a rank paused twice has a second one in its other gaps; a 1.3x straggler's other gaps
+add more than its longest one as soon as there are a few of them)."""
+
 
 def own_time(stats: RankStats, judged: npt.NDArray[np.bool_],
              groups: Sequence[I64]) -> OwnTime | None:

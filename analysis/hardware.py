@@ -666,10 +666,6 @@ def detect_slow_node(obs: Observation, settings: DetectionSettings) -> Verdict |
     )
 
 
-_PAUSES = 1.5
-"""A throttled rank's extra compute outside its longest gap is at least this many times that
-gap's excess (so one pause, an evaluation or a checkpoint write, is not mistaken for it)."""
-
 
 def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdict | None:
     """A hardware verdict on a GPU that reports throttling or slowed clocks (a warning or
@@ -695,6 +691,13 @@ def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdi
         return None
     # its extra compute costs the job a share of each step, as a straggler's must
     steps = np.maximum(np.asarray(stats.active_us, dtype=np.float64) / step_us, 1.0)
+    throttled_slow = (
+        judged
+        & (own.excess_us / steps >= settings.straggler_min_step_cost * step_us)
+        & (own.ratio >= settings.throttle_min_excess)
+        & (own.excess_us >= settings.straggler_min_excess_us)
+        & own.spread_out()
+    )
     nodes = rank_nodes(obs.snapshot)
     gpus = rank_gpus(obs.snapshot, settings)
     by_node = node_ranks(nodes)
@@ -702,20 +705,16 @@ def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdi
     found: list[tuple[float, int, HealthSample]] = []
     for node, samples in health_events(obs, settings).items():
         for s in samples:
-            if health_kind(s) is not HealthKind.SLOWDOWN:
-                continue
             gpu = _gpu_index(s.device)
+            if health_kind(s) is not HealthKind.SLOWDOWN or gpu is None:
+                continue
             ranks = [r for r in by_node.get(node, ()) if r in position and judged[position[r]]
-                     and (gpu is None or gpus.get(r) == gpu)]
-            if gpu is None or len(ranks) != 1:
+                     and gpus.get(r) == gpu]
+            if len(ranks) != 1:
                 continue  # the sample names no one rank's GPU
             i = position[ranks[0]]
             mates = [position[r] for r in by_node.get(node, ()) if r in position and r != ranks[0]]
-            if (own.excess_us[i] / steps[i] >= settings.straggler_min_step_cost * step_us
-                    and own.ratio[i] >= settings.throttle_min_excess
-                    and own.excess_us[i] >= settings.straggler_min_excess_us
-                    and own.rest_excess_us[i] >= _PAUSES * own.longest_excess_us[i]
-                    and all(own.ratio[i] > own.ratio[j] for j in mates)):
+            if throttled_slow[i] and all(own.ratio[i] > own.ratio[j] for j in mates):
                 found.append((-float(own.ratio[i]), ranks[0], s))
     if not found:
         return None

@@ -71,11 +71,6 @@ _GAPS_PER_GAP = 0.8
 less than `straggler_min_excess_gaps` (`_needed_gaps`)..."""
 _FEW_GAPS_PER_GAP = 0.25
 """...and in windows of few collectives per gap, where being last hides little."""
-_PAUSES = 1.5
-"""A slow GPU spreads its excess over all its gaps, pauses put theirs in a few long ones: the
-excess of a rank's other gaps must be more than this many pauses as long as its longest gap's
-excess (a rank paused twice has a second one in its other gaps; a 1.3x straggler's other gaps
-add more than its longest one as soon as there are a few of them)."""
 _MANY_COLLECTIVES_PER_GAP = 8.0
 """From this many collectives per gap (gradient buckets overlapping the backward), being last
 for a step can make a rank's other gaps look one or two longest gaps longer."""
@@ -123,7 +118,7 @@ def compute_stragglers(own: OwnTime, judged: npt.NDArray[np.bool_], n: I64,
     """Per rank: whether it computes markedly longer than its role peers, whatever the job's
     waits: its longest gap and its other gaps both `straggler_min_excess` x its peers', by
     `straggler_min_excess_us` in all, and its other gaps longer by more than being last for a
-    step could make them (`_needed_gaps`) and than `_PAUSES` more pauses as long as its longest
+    step could make them (`_needed_gaps`) and than `PAUSES` more pauses as long as its longest
     gap's excess could (a second evaluation on rank 0, a checkpoint write). A rank slow at
     everything, whose transfers look slow too (`analysis.links` leaves such links to this
     detector). `n`: each rank's collectives."""
@@ -132,7 +127,7 @@ def compute_stragglers(own: OwnTime, judged: npt.NDArray[np.bool_], n: I64,
         & (own.ratio >= settings.straggler_min_excess)
         & (own.excess_us >= settings.straggler_min_excess_us)
         & (own.excess_gaps >= _needed_gaps(own, n, settings))
-        & (own.rest_excess_us >= _PAUSES * own.longest_excess_us)
+        & own.spread_out()
     )
 
 
