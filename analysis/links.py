@@ -68,28 +68,22 @@ def _other_links_ratio(rank: int, skip: tuple[int, int], *, src: I64, dst: I64, 
     return float(np.median(others)) if others.size else 1.0
 
 
-def _collective_time(obs: Observation, node: str, nodes: dict[int, str]) -> float:
-    """Mean over the node's ranks of wait + lateness: how long their collectives took from the
-    first member's arrival to completion, whatever the rank's own arrival (0 without rank
-    statistics)."""
+def _collective_time(obs: Observation, ranks: set[int]) -> float:
+    """Mean over `ranks` of wait + lateness: how long their collectives took from the first
+    member's arrival to completion, whatever the rank's own arrival (0 without rank statistics
+    or without any of them in them)."""
     stats = obs.ranks
     if stats is None:
         return 0.0
-    on = np.array([nodes.get(int(r)) == node for r in stats.rank], dtype=np.bool_)
+    on = np.isin(stats.rank, list(ranks))
     if not on.any():
         return 0.0
     return float((stats.wait_mean_us[on] + stats.lateness_mean_us[on]).mean())
 
 
-def _rank_collective_time(obs: Observation, rank: int) -> float:
-    """One rank's wait + lateness (see `_collective_time`; 0 without rank statistics)."""
-    stats = obs.ranks
-    if stats is None:
-        return 0.0
-    at = np.flatnonzero(stats.rank == rank)
-    if at.size == 0:
-        return 0.0
-    return float(stats.wait_mean_us[at[0]] + stats.lateness_mean_us[at[0]])
+def _node_collective_time(obs: Observation, node: str, nodes: dict[int, str]) -> float:
+    """`_collective_time` of the node's ranks."""
+    return _collective_time(obs, {r for r, n in nodes.items() if n == node})
 
 
 def _slow_computing(obs: Observation, settings: DetectionSettings) -> set[int]:
@@ -205,7 +199,7 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
     if len(tied) > 1:
         # Two nodes whose links all go to each other (one pipeline boundary): a slow NIC also
         # slows its node's inter-node collectives, so the collectives of its ranks take longer.
-        tied.sort(key=lambda c: (-_collective_time(obs, names[c], nodes), names[c]))
+        tied.sort(key=lambda c: (-_node_collective_time(obs, names[c], nodes), names[c]))
     best_node = tied[0] if tied else -1
 
     job, attempt, now = obs.snapshot.job, obs.snapshot.attempt, obs.snapshot.now_us
@@ -235,9 +229,9 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
             )
             if obs.ranks is not None:
                 summary += (
-                    f" (its ranks' collectives take {ms(_collective_time(obs, node, nodes))} "
+                    f" (its ranks' collectives take {ms(_node_collective_time(obs, node, nodes))} "
                     "from first arrival to completion, those of "
-                    f"{others[0]} {ms(_collective_time(obs, others[0], nodes))})"
+                    f"{others[0]} {ms(_node_collective_time(obs, others[0], nodes))})"
                 )
         return Verdict(
             job=job, attempt=attempt, kind=IncidentKind.SLOW_LINK, culprit_ranks=tuple(ranks),
@@ -263,7 +257,7 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
     elif s_other < _END_MARGIN * d_other:
         # the links do not tell the ends apart (a pipeline pair has no other link): a slow
         # NIC also slows its rank's inter-node collectives, the peer's stay as they were
-        s_time, d_time = _rank_collective_time(obs, s), _rank_collective_time(obs, d)
+        s_time, d_time = _collective_time(obs, {s}), _collective_time(obs, {d})
         if d_time >= _END_MARGIN * s_time > 0:
             ends.reverse()
     culprit_ranks = tuple(r for r, _ in ends)
