@@ -30,7 +30,13 @@ import numpy as np
 from tracehound.analysis.sim import reference as summaries
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore, open_store
-from tracehound.tracing.summaries import ClockCorrection, CollectiveColumns
+from tracehound.tracing.summaries import (
+    ClockCorrection,
+    CollectiveColumns,
+    LinkStats,
+    NodeWindows,
+    RankStats,
+)
 
 T = TypeVar("T")
 
@@ -144,14 +150,8 @@ def measure(store: TraceStore, window: Window, window_us: int) -> dict[str, floa
     want_links = summaries.link_stats(w.cols, w.start_us, w.end_us)
     want_nodes = summaries.node_windows(w.cols, w.node_of_rank, w.start_us, w.end_us, window_us)
     same = (
-        np.array_equal(ranks.rank, want_ranks.rank)
-        and np.array_equal(ranks.last_count, want_ranks.last_count)
-        and np.allclose(ranks.lateness_mean_us, want_ranks.lateness_mean_us)
-        and np.allclose(links.transfer_mean_us, want_links.transfer_mean_us)
-        and np.array_equal(links.src, want_links.src)
+        equal(ranks, links, nodes, want_ranks, want_links, want_nodes)
         and tuple(bad) == summaries.disagreements(w.cols, w.start_us, w.end_us)
-        and nodes.nodes == want_nodes.nodes
-        and np.allclose(nodes.features, want_nodes.features, equal_nan=True)
     )
     if not same:
         raise SystemExit("the store's summaries differ from the numpy reference")
@@ -171,7 +171,15 @@ def measure(store: TraceStore, window: Window, window_us: int) -> dict[str, floa
                                       node_of_rank=w.node_of_rank)
     want_nodes = summaries.node_windows(w.cols, w.node_of_rank, w.start_us, w.end_us, window_us,
                                         clock=clock)
-    same = (
+    if not equal(ranks, links, nodes, want_ranks, want_links, want_nodes):
+        raise SystemExit("the store's clock-corrected summaries differ from the numpy reference")
+    return figures
+
+
+def equal(ranks: RankStats, links: LinkStats, nodes: NodeWindows, want_ranks: RankStats,
+          want_links: LinkStats, want_nodes: NodeWindows) -> bool:
+    """Whether the store's rank, link and node summaries are the numpy reference's."""
+    return (
         np.array_equal(ranks.rank, want_ranks.rank)
         and np.array_equal(ranks.last_count, want_ranks.last_count)
         and np.allclose(ranks.lateness_mean_us, want_ranks.lateness_mean_us)
@@ -180,9 +188,6 @@ def measure(store: TraceStore, window: Window, window_us: int) -> dict[str, floa
         and nodes.nodes == want_nodes.nodes
         and np.allclose(nodes.features, want_nodes.features, equal_nan=True)
     )
-    if not same:
-        raise SystemExit("the store's clock-corrected summaries differ from the numpy reference")
-    return figures
 
 
 def bench_clock(w: Window) -> ClockCorrection:
