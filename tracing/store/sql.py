@@ -280,33 +280,18 @@ def aligned_time(column: str, nodes: int) -> str:
 # in `{uneven_ops}` and one dtype, whose sizes alone differ, is uneven by design and is left out
 # before the limit. `{uneven_ops}` becomes an array of one `{uneven_<i>:String}` placeholder per
 # op, or `emptyArrayString()` without any (`has([], x)` is a type error on 18.16). `total`
-# counts every disagreeing (group, seq) before the limit, in a scalar subquery with the same
-# WHERE and HAVING (18.16 has no window functions), so the caller can say how many the limit
-# dropped.
+# counts every disagreeing (group, seq) before the limit, in a scalar subquery over the same
+# rows (`<disagreeing>`: one text for both; 18.16 has no window functions), so the caller can
+# say how many the limit dropped.
 SQL_DISAGREEMENTS = """
 SELECT group_id, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups,
-       (SELECT count() FROM (
-            SELECT seq
-            FROM {db}.collectives
-            WHERE job = {job:String} AND attempt = {attempt:UInt32}
-              AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
-              AND position(group_id, {p2p:String}) = 0
-            GROUP BY group_id, seq
-            HAVING uniqExact(op) > 1 OR uniqExact(dtype) > 1
-                OR (uniqExact(nbytes) > 1 AND NOT has({uneven_ops}, any(op)))
-       )) AS total
+       (SELECT count() FROM (SELECT seq <disagreeing>)) AS total
 FROM (
     SELECT group_id, seq, count() AS members, arraySort(groupArray(rank)) AS ranks,
            arraySort((x, r) -> r, groupArray(op), groupArray(rank)) AS ops,
            arraySort((x, r) -> r, groupArray(nbytes), groupArray(rank)) AS sizes,
            arraySort((x, r) -> r, groupArray(dtype), groupArray(rank)) AS dtypes
-    FROM {db}.collectives
-    WHERE job = {job:String} AND attempt = {attempt:UInt32}
-      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
-      AND position(group_id, {p2p:String}) = 0
-    GROUP BY group_id, seq
-    HAVING uniqExact(op) > 1 OR uniqExact(dtype) > 1
-        OR (uniqExact(nbytes) > 1 AND NOT has({uneven_ops}, any(op)))
+    <disagreeing>
     ORDER BY lengthUTF8(group_id), group_id, seq
     LIMIT {limit:UInt64}
 ) AS disagreeing
@@ -327,7 +312,14 @@ ANY LEFT JOIN (
     LIMIT 1 BY seq, members
 ) AS siblings USING (seq, members)
 ORDER BY lengthUTF8(group_id), group_id, seq
-"""
+""".replace("<disagreeing>", """
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND position(group_id, {p2p:String}) = 0
+    GROUP BY group_id, seq
+    HAVING uniqExact(op) > 1 OR uniqExact(dtype) > 1
+        OR (uniqExact(nbytes) > 1 AND NOT has({uneven_ops}, any(op)))""")
 
 SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGREEMENTS,
                    SQL_CLOCK_SAMPLES)
