@@ -102,21 +102,32 @@ def test_a_harmless_warning_on_the_culprits_gpu_keeps_the_verdict(
     assert right_after == right_before
 
 
-def test_a_thermal_throttle_on_the_stragglers_gpu_is_hardware() -> None:
+def event_on_the_culprit_makes_hardware(fault: str, metric: str, value: float,
+                                        severity: HealthSeverity, after_onset_us: int,
+                                        detail: str) -> tuple[int, int]:
+    """Over the seeds whose `fault` was seen: a sample on the culprit's GPU `after_onset_us`
+    after the fault's onset must make the verdict hardware on that culprit. Returns (made
+    hardware, seen)."""
     found = judged = 0
     for seed in SEEDS:
-        sim, obs = scenario("straggler", seed)
-        before = diagnose_observation(obs)
-        if not right_kind(sim, before):
-            continue  # no straggler seen, nothing for the throttle to explain
+        sim, obs = scenario(fault, seed)
+        if not right_kind(sim, diagnose_observation(obs)):
+            continue  # the fault not seen: nothing for the sample to explain
         judged += 1
         culprit = sim.truth.culprit_ranks[0]
-        hot = sample(sim, culprit, "throttle", 1.0, HealthSeverity.WARNING, onset_us(sim, obs),
-                     "HW thermal slowdown (clocks event reason 0x40)")
-        after = diagnose_observation(replace(obs, health=(*obs.health, hot)))
+        event = sample(sim, culprit, metric, value, severity,
+                       onset_us(sim, obs) + after_onset_us, detail)
+        after = diagnose_observation(replace(obs, health=(*obs.health, event)))
         assert after is not None and after.kind is IncidentKind.HARDWARE, seed
         assert after.culprit_ranks[0] == culprit, seed
         found += 1
+    return found, judged
+
+
+def test_a_thermal_throttle_on_the_stragglers_gpu_is_hardware() -> None:
+    found, judged = event_on_the_culprit_makes_hardware(
+        "straggler", "throttle", 1.0, HealthSeverity.WARNING, 0,
+        "HW thermal slowdown (clocks event reason 0x40)")
     print(f"\nstraggler + thermal throttle on its GPU: hardware in {found} of {judged} seeds "
           f"whose straggler was seen ({len(SEEDS)} seeds)")
     assert judged >= len(SEEDS) // 2
@@ -124,19 +135,9 @@ def test_a_thermal_throttle_on_the_stragglers_gpu_is_hardware() -> None:
 
 
 def test_an_xid_79_on_the_hung_ranks_gpu_is_hardware() -> None:
-    found = judged = 0
-    for seed in SEEDS:
-        sim, obs = scenario("hang", seed)
-        if not right_kind(sim, diagnose_observation(obs)):
-            continue
-        judged += 1
-        culprit = sim.truth.culprit_ranks[0]
-        lost = sample(sim, culprit, "xid", 79.0, HealthSeverity.CRITICAL,
-                      onset_us(sim, obs) + S // 5, "Xid 79: GPU has fallen off the bus")
-        after = diagnose_observation(replace(obs, health=(*obs.health, lost)))
-        assert after is not None and after.kind is IncidentKind.HARDWARE, seed
-        assert after.culprit_ranks[0] == culprit, seed
-        found += 1
+    found, judged = event_on_the_culprit_makes_hardware(
+        "hang", "xid", 79.0, HealthSeverity.CRITICAL, S // 5,
+        "Xid 79: GPU has fallen off the bus")
     print(f"\nhang + Xid 79 on the hung rank's GPU: hardware in {found} of {judged} seeds whose "
           f"hang was seen ({len(SEEDS)} seeds)")
     assert judged >= len(SEEDS) // 2
