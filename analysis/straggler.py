@@ -156,6 +156,17 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
     fraction = np.divide(last, n, out=np.zeros_like(n), where=n > 0)
     candidate = compute_stragglers(own, judged, stats.n, settings)
     p0 = float(np.median(fraction[judged]))
+    # Its extra compute per training step, as a share of a step (None without step times).
+    # Where collectives overlap compute (gradient buckets) the busy time of the rank that is
+    # last counts its lag once per pending collective, so a GPU a few percent slower looks far
+    # slower than it is by the busy ratio alone; per step it costs a few percent.
+    step_us = typical_step_us(obs.snapshot)
+    cost: F64 | None = None
+    if step_us > 0 and stats.active_us is not None:
+        steps = np.maximum(stats.active_us.astype(np.float64) / step_us, 1.0)
+        cost = own.excess_us / steps / step_us
+    heavy = (np.zeros(n.shape, dtype=np.bool_) if cost is None
+             else cost >= 2 * settings.straggler_min_step_cost)
     if own.has_blame:
         candidate &= own.blame_share >= settings.straggler_min_blame
         # ...and consistently: last far more often than chance makes the median rank (in a
@@ -168,20 +179,12 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
         # a rank whose extra compute costs the job a large share of a step needs only to be
         # last more often than the median rank)
         few = n < settings.straggler_min_collectives * 2
-        candidate &= consistent | (few & (fraction > p0) & (last >= 2))
-        heavy_cost_needed = few & ~consistent
+        candidate &= consistent | (few & (fraction > p0) & (last >= 2) & heavy)
     else:
         # without blame, the arrival order corroborates: last well above the median rank
         candidate &= fraction >= min(settings.straggler_min_last_ratio * p0, (1.0 + p0) / 2)
-        heavy_cost_needed = np.zeros_like(candidate)
-    step_us = typical_step_us(obs.snapshot)
-    if step_us > 0 and stats.active_us is not None:
-        # ...and it costs the job: its extra compute per step, as a share of a step. Where
-        # collectives overlap compute (gradient buckets) the busy time of the rank that is
-        # last counts its lag once per pending collective, so a GPU a few percent slower looks
-        # far slower than it is by the busy ratio alone; per step it costs a few percent.
-        steps = np.maximum(stats.active_us.astype(np.float64) / step_us, 1.0)
-        cost = own.excess_us / steps / step_us
+    if cost is not None:
+        # ...and it costs the job a share of each step
         if own.has_blame and one_group:
             # Where every rank does the same work in one group (DDP, ZeRO) either the job
             # waits on it for a good share of a step each time it is last (DDP: a GPU a few
@@ -189,17 +192,13 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
             # its extra compute costs twice the usual share of a step (ZeRO: gathers every
             # layer, so the lag at each is short however slow the rank).
             lag = own.blame_us / np.maximum(last, 1.0) / step_us
-            candidate &= ((lag >= settings.straggler_min_lag)
-                          | (cost >= 2 * settings.straggler_min_step_cost))
+            candidate &= (lag >= settings.straggler_min_lag) | heavy
             # ...and, every rank meeting every collective, it is last at a large share of
             # them: a slower GPU at most of each step's; a GPU a few percent slower, or one
             # that met more pauses than its peers, mostly at less than a quarter
             candidate &= fraction >= settings.straggler_one_group_min_last
         else:
             candidate &= cost >= settings.straggler_min_step_cost
-        candidate &= ~heavy_cost_needed | (cost >= 2 * settings.straggler_min_step_cost)
-    else:
-        candidate &= ~heavy_cost_needed
     idx = np.flatnonzero(candidate)
     if idx.size == 0:
         return None
