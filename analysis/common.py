@@ -222,11 +222,11 @@ def role_groups(snap: JobSnapshot, links: LinkStats | None, ranks: I64) -> list[
     return out
 
 
-def peer_median(values: F64, judged: npt.NDArray[np.bool_], groups: Sequence[I64]) -> F64:
-    """Per position of `values`: the median of its role peers' values (`role_groups`), pooled
-    over its groups: each group's median of its other judged members, weighted by how many
-    they are (so a one-member view of a small group does not outweigh a large group); the
-    median of every judged value where no group gives one. NaN when nothing is judged."""
+def _group_medians(values: F64, judged: npt.NDArray[np.bool_],
+                   groups: Sequence[I64]) -> tuple[I64, F64, F64]:
+    """(position, median, weight) for every position of every group: the median of the group's
+    other judged members (of all of a group larger than `_EXACT_UP_TO`) and how many they are;
+    groups nobody judged in left out."""
     masked = np.where(judged, values, np.nan)
     by_size: dict[int, list[I64]] = {}
     for g in groups:
@@ -250,26 +250,50 @@ def peer_median(values: F64, judged: npt.NDArray[np.bool_], groups: Sequence[I64
                 where.append(pos.ravel())
                 medians.append(np.repeat(med, size))
                 weights.append(np.repeat(count, size))
-    ref = np.full(values.shape, np.nan)
-    if where:
-        at, med, weight = np.concatenate(where), np.concatenate(medians), np.concatenate(weights)
-        keep = ~np.isnan(med) & (weight > 0)
-        at, med, weight = at[keep], med[keep], weight[keep]
-        order = np.lexsort((med, at))
-        at, med, weight = at[order], med[order], weight[order]
-        if at.size:
-            starts = np.flatnonzero(np.r_[True, at[1:] != at[:-1]])
-            total = np.add.reduceat(weight, starts)
-            before = np.repeat(np.cumsum(weight)[starts] - weight[starts], np.diff(
-                np.r_[starts, at.size]))
-            reached = np.cumsum(weight) - before >= np.repeat(total / 2.0, np.diff(
-                np.r_[starts, at.size]))
-            # the first value of each position at which half its peers' weight is reached
-            first = np.flatnonzero(reached & np.r_[True, ~(reached[:-1] & (at[1:] == at[:-1]))])
-            ref[at[first]] = med[first]
+    if not where:
+        return np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
+    at, med, weight = np.concatenate(where), np.concatenate(medians), np.concatenate(weights)
+    keep = ~np.isnan(med) & (weight > 0)
+    return at[keep], med[keep], weight[keep]
+
+
+def _or_job_median(ref: F64, values: F64, judged: npt.NDArray[np.bool_]) -> F64:
     if judged.any():
-        ref = np.where(np.isnan(ref), float(np.median(values[judged])), ref)
+        return np.where(np.isnan(ref), float(np.median(values[judged])), ref)
     return ref
+
+
+def peer_median(values: F64, judged: npt.NDArray[np.bool_], groups: Sequence[I64]) -> F64:
+    """Per position of `values`: the median of its role peers' values (`role_groups`), pooled
+    over its groups: each group's median of its other judged members, weighted by how many
+    they are (so a one-member view of a small group does not outweigh a large group); the
+    median of every judged value where no group gives one. NaN when nothing is judged."""
+    ref = np.full(values.shape, np.nan)
+    at, med, weight = _group_medians(values, judged, groups)
+    order = np.lexsort((med, at))
+    at, med, weight = at[order], med[order], weight[order]
+    if at.size:
+        starts = np.flatnonzero(np.r_[True, at[1:] != at[:-1]])
+        total = np.add.reduceat(weight, starts)
+        before = np.repeat(np.cumsum(weight)[starts] - weight[starts], np.diff(
+            np.r_[starts, at.size]))
+        reached = np.cumsum(weight) - before >= np.repeat(total / 2.0, np.diff(
+            np.r_[starts, at.size]))
+        # the first value of each position at which half its peers' weight is reached
+        first = np.flatnonzero(reached & np.r_[True, ~(reached[:-1] & (at[1:] == at[:-1]))])
+        ref[at[first]] = med[first]
+    return _or_job_median(ref, values, judged)
+
+
+def peer_floor(values: F64, judged: npt.NDArray[np.bool_], groups: Sequence[I64]) -> F64:
+    """Per position of `values`: the least of its groups' medians of their other judged members
+    (the job's median where no group gives one). Where half a data parallel group pauses at
+    once (a checkpoint written from one replica, an evaluation), that group's median is a
+    pause; its tensor parallel group's is not."""
+    ref = np.full(values.shape, np.inf)
+    at, med, _ = _group_medians(values, judged, groups)
+    np.minimum.at(ref, at, med)
+    return _or_job_median(np.where(np.isinf(ref), np.nan, ref), values, judged)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -341,7 +365,7 @@ def own_time(stats: RankStats, judged: npt.NDArray[np.bool_],
     rest = (busy - longest) / active
     peer_rest = peer_median(rest, judged, groups)
     rest_ratio = np.divide(rest, peer_rest, out=np.ones_like(rest), where=peer_rest > 0)
-    peer_longest = peer_median(longest, judged, groups)
+    peer_longest = peer_floor(longest, judged, groups)
     longest_ratio = np.divide(longest, peer_longest, out=np.ones_like(longest),
                               where=peer_longest > 0)
     ratio = np.minimum(rest_ratio, longest_ratio)

@@ -130,7 +130,11 @@ class DetectionSettings:
     waiting 12-40% of a step."""
     straggler_one_group_min_last: float = 0.3
     """Where every rank does the same work in one group (plain DDP, ZeRO), a compute straggler
-    is last at at least this share of its collectives."""
+    is last at at least this share of its collectives..."""
+    straggler_one_group_clear_ratio: float = 1.4
+    """...or at half that share when it computes at least this many times as long as its peers
+    (a GPU a few percent slower never does; a 1.5x straggler hidden for part of the window
+    behind pauses elsewhere, rank 0's evaluation, a checkpoint, is last less often)."""
     straggler_consistent_margin: float = 0.1
     """...or, whichever is less, last at this share of its collectives more than the median
     rank."""

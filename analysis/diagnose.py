@@ -10,7 +10,9 @@ evidence is:
 - A stall (peers wait on a rank that is alive and busy outside collectives) stands as it is
   and hides the window anomalies while it lasts; only a critical health event on the busy
   rank's node (not a warning) that can stop it (`analysis.hardware`: a fault of its GPU, an
-  NVLink or network link down) turns it into a hardware verdict.
+  NVLink or network link down) turns it into a hardware verdict, and the window's straggler
+  verdict replaces it when it leads with the busy rank (with steps of tens of seconds a
+  straggler's peers wait seconds on it at every step: a stall at every look).
 - A hang that control dependency cannot localize is handed to the stack traces (silent hang).
 - A hardware health event on the culprit node of a hang, silent hang, slow link, straggler or
   node outlier turns that verdict into a hardware verdict on that node when it is relevant to
@@ -70,6 +72,19 @@ def _corroborate(verdict: Verdict, outliers: Verdict | None) -> Verdict:
     )
 
 
+def _slow_at_everything(obs: Observation, settings: DetectionSettings,
+                        stall: Verdict) -> Verdict | None:
+    """The straggler verdict of the window when it leads with the stall's busy rank: peers
+    wait on it now because it computes longer at every step (long steps make a straggler's
+    peers wait seconds at a time), with the stall's facts added; None otherwise."""
+    straggler = detect_straggler(obs, settings)
+    if straggler is None or straggler.culprit_ranks[0] not in stall.culprit_ranks:
+        return None
+    lead = straggler.culprit_ranks[0]
+    now = tuple(e for e in stall.evidence if e.rank == lead)
+    return replace(straggler, evidence=straggler.evidence + now[: settings.max_evidence])
+
+
 def diagnose_observation(obs: Observation | JobSnapshot,
                          settings: DetectionSettings | None = None) -> Verdict | None:
     """The best verdict for the observation, or None while nothing is wrong. This is the one
@@ -93,7 +108,13 @@ def diagnose_observation(obs: Observation | JobSnapshot,
             # uncorrectable ECC error) relevant to it makes its machine the cause.
             stopped = correlate_hardware(replace(hang, kind=IncidentKind.HANG), obs, settings,
                                          critical_only=True)
-            return stopped or with_health_evidence(hang, obs, settings)
+            if stopped is not None:
+                return stopped
+            slow = _slow_at_everything(obs, settings, hang)
+            if slow is not None:
+                return correlate_hardware(slow, obs, settings) or with_health_evidence(
+                    slow, obs, settings)
+            return with_health_evidence(hang, obs, settings)
         if hang.basis is Basis.UNLOCALIZED:
             hang = detect_silent_hang(obs, settings, stall=hang) or hang
         stopped = correlate_hardware(hang, obs, settings)

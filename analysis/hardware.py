@@ -17,12 +17,16 @@ Kinds of samples (`health_kind`, by metric; INFO samples are plain readings and 
                   source marks CRITICAL
     nvlink_down   xid 74, nvlink_down
     slowdown      throttle, temperature_c, power_w, power_cap, power_brake, sm_clock_mhz,
-                  clocks_event_reasons; ecc_correctable and pcie_replays when CRITICAL
+                  clocks_event_reasons with a slowdown bit (NVML: 0x8 hardware slowdown, 0x20
+                  software thermal, 0x40 hardware thermal, 0x80 power brake); ecc_correctable
+                  and pcie_replays when CRITICAL
     nvlink        nvlink_errors
     network       nic_errors, ib_errors, ib_symbol_errors, link_flaps (NIC or InfiniBand)
     network_down  nic_link_down, ib_link_down, link_down
     low_grade     ecc_correctable, pcie_replays, remapped_rows (a WARNING: a row remapped or
-                  pending), xid 63 and 92, any other xid at WARNING
+                  pending), xid 63 and 92, any other xid at WARNING, clocks_event_reasons
+                  without a slowdown bit (idle, application clocks, software power cap, sync
+                  boost: what every busy GPU at its power limit reports)
     application   xid 13, 31, 43, 45: raised by the application's own kernels (an illegal
                   address, an exception, a preempted context) much more often than by the GPU
     unknown       every other metric
@@ -227,6 +231,11 @@ _METRICS: Final[Mapping[str, tuple[HealthKind, HealthKind]]] = MappingProxyType(
 _XID_FATAL = frozenset({48, 62, 64, 79, 94, 95, 119, 120, 140})
 """Xids of a GPU that lost its memory contents or itself: double-bit ECC, a crashed internal
 micro-controller, a failed row remapping, fallen off the bus, (un)contained ECC, GSP errors."""
+_CLOCK_SLOWDOWN_BITS: Final = 0x8 | 0x20 | 0x40 | 0x80
+"""NVML clock event reasons that slow a GPU below what its peers run at: hardware slowdown,
+software and hardware thermal slowdown, power brake. The others (0x1 idle, 0x2 application
+clocks, 0x4 software power cap, 0x10 sync boost, 0x100 display clocks) are what a healthy GPU
+under load reports all the time."""
 _XID_NVLINK = frozenset({74})
 _XID_LOW_GRADE = frozenset({63, 92})
 """A row remapping recorded; a high single-bit ECC rate."""
@@ -261,6 +270,8 @@ def health_kind(s: HealthSample) -> HealthKind:
             return _K.NVLINK_DOWN
         if code in _XID_FATAL or (critical and code not in _XID_LOW_GRADE):
             return _K.GPU_FAULT
+        return _K.LOW_GRADE
+    if metric == "clocks_event_reasons" and not int(s.value) & _CLOCK_SLOWDOWN_BITS:
         return _K.LOW_GRADE
     kinds = _METRICS.get(metric)
     if kinds is None:
@@ -671,7 +682,8 @@ def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdi
     """A hardware verdict on a GPU that reports throttling or slowed clocks (a warning or
     critical SLOWDOWN sample near the window) while its rank computes measurably longer than
     its role peers: `throttle_min_excess` x, by `straggler_min_excess_us` in all and by
-    `straggler_min_step_cost` of each step, not in one pause, and the slowest rank of its node
+    `straggler_min_step_cost` of each step (or the job waits on it alone that share of the
+    time), not in one pause, and the slowest rank of its node
     (a node slowed alike is `detect_slow_node`'s).
 
     A thermal or power throttle of 10-30% is below what the straggler rule needs to name a rank
@@ -689,11 +701,14 @@ def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdi
     step_us = typical_step_us(obs.snapshot)
     if step_us <= 0 or stats.active_us is None:
         return None
-    # its extra compute costs the job a share of each step, as a straggler's must
+    # its extra compute costs the job a share of each step, as a straggler's must: by the
+    # compute the trace sees, or by the job's waits on it alone (in data parallel jobs most of
+    # a rank's compute overlaps its gradient buckets and hides from the trace; the wait does not)
     steps = np.maximum(np.asarray(stats.active_us, dtype=np.float64) / step_us, 1.0)
     throttled_slow = (
         judged
-        & (own.excess_us / steps >= settings.straggler_min_step_cost * step_us)
+        & ((own.excess_us / steps >= settings.straggler_min_step_cost * step_us)
+           | (own.blame_share >= settings.straggler_min_step_cost))
         & (own.ratio >= settings.throttle_min_excess)
         & (own.excess_us >= settings.straggler_min_excess_us)
         & own.spread_out()

@@ -195,8 +195,12 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
             candidate &= (lag >= settings.straggler_min_lag) | heavy
             # ...and, every rank meeting every collective, it is last at a large share of
             # them: a slower GPU at most of each step's; a GPU a few percent slower, or one
-            # that met more pauses than its peers, mostly at less than a quarter
-            candidate &= fraction >= settings.straggler_one_group_min_last
+            # that met more pauses than its peers, mostly at less than a quarter (half that
+            # for a rank computing far longer than its peers, as no GPU a few percent slower
+            # does: pauses elsewhere hide part of its lateness)
+            clear = own.ratio >= settings.straggler_one_group_clear_ratio
+            candidate &= fraction >= np.where(clear, 0.5, 1.0) * (
+                settings.straggler_one_group_min_last)
         else:
             candidate &= cost >= settings.straggler_min_step_cost
     idx = np.flatnonzero(candidate)

@@ -31,9 +31,12 @@ class Conditions:
     grey_zone: bool
     """Fault sizes down to barely noticeable (straggler 1.05x, slow link 1.2x, NVLink 1.3x,
     thermal 1.1x); False: sizes a detector sees plainly."""
-    onset_anywhere: bool
+    onset_mid_window: bool
     """Faults that build up (straggler, slow link, slow NVLink, thermal) start at any step of
-    the window; False: at the first step or the second."""
+    the window's first half (the first with chance 0.3); False: at the first step or the
+    second. Not later: a fault shown in only the last step or two of a window looks like a
+    pause there, and the supervisor judges it in its next window, where it shows throughout;
+    one window per scenario stands for that by holding the fault at least half its steps."""
     tail_p: float
     """Chance per compute segment of a heavy-tailed (Pareto) slowdown of up to 3x."""
     pauses_per_window: float
@@ -65,14 +68,14 @@ WINDOW_STEPS = 6
 
 LAB = Conditions(
     name="lab", skew_ms=0.03, drift_ppm=0.0, field_layouts=False, grey_zone=False,
-    onset_anywhere=False, tail_p=0.0, pauses_per_window=0.0, warnings_per_window=0.0,
+    onset_mid_window=False, tail_p=0.0, pauses_per_window=0.0, warnings_per_window=0.0,
     warning_on_culprit_p=0.0, checkpoint_p=0.0, evaluation_p=0.0, slow_gpus=0.0,
 )
 """The simulator the detectors were first built against."""
 
 FIELD = Conditions(
     name="field", skew_ms=5.0, drift_ppm=3.0, field_layouts=True, grey_zone=True,
-    onset_anywhere=True, tail_p=0.02, pauses_per_window=4.0, warnings_per_window=1.5,
+    onset_mid_window=True, tail_p=0.02, pauses_per_window=4.0, warnings_per_window=1.5,
     warning_on_culprit_p=0.4, checkpoint_p=0.25, evaluation_p=0.25, slow_gpus=1.0,
 )
 """What jobs look like in the field (ordinary NTP clocks, every common layout)."""

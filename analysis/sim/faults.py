@@ -132,14 +132,14 @@ class _Draw:
 
     def onset(self, lab_late_p: float) -> int:
         """The step a fault that builds up starts to show in: in the lab the first (or with
-        chance `lab_late_p` the first or the second), in the field any step but the last
-        (the first with chance 0.3)."""
+        chance `lab_late_p` the first or the second), in the field any step up to the middle one
+        (the first with chance 0.3: `Conditions.onset_mid_window`)."""
         rng = self.rng
         if self.mid_run:
             return int(rng.integers(self.earliest, max(self.steps - 1, self.earliest + 1)))
-        if self.conditions.onset_anywhere:
-            return 0 if rng.random() < 0.3 or self.steps < 3 else int(
-                rng.integers(1, self.steps - 1))
+        if self.conditions.onset_mid_window:
+            return 0 if rng.random() < 0.3 or self.steps < 4 else int(
+                rng.integers(1, self.steps // 2 + 1))
         return int(rng.integers(0, 2)) if rng.random() < lab_late_p else 0
 
 

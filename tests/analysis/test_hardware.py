@@ -36,12 +36,12 @@ NOW = 1_700_000_100 * S
 
 
 def straggling(*samples_at: tuple[str, str, HealthSeverity, int],
-               device: str = "gpu1") -> Observation:
+               device: str = "gpu1", value: float = 1.0) -> Observation:
     """Rank 17 (node-2, its second GPU: gpu1) is 40% slower; health samples as (node, metric,
-    severity, offset s from the window's end), on `device`."""
+    severity, offset s from the window's end), on `device`, of `value`."""
     a = arrivals(slow={17: 1.4}, seed=3)
     snap = snapshot(a.end_us, 64, members=groups(8, 64))
-    samples = tuple(health(n, m, a.end_us + off * S, severity=sev, value=1.0, device=device)
+    samples = tuple(health(n, m, a.end_us + off * S, severity=sev, value=value, device=device)
                     for n, m, sev, off in samples_at)
     return observe(snap, start_us=a.start_us, ranks=a.ranks, node_windows=a.node_windows,
                    health=samples)
@@ -75,6 +75,13 @@ def context_of(verdict: Verdict) -> list[str]:
     ("temperature_c", 93, WARNING, HealthKind.SLOWDOWN),
     ("power_w", 700, WARNING, HealthKind.SLOWDOWN),
     ("sm_clock_mhz", 1100, WARNING, HealthKind.SLOWDOWN),
+    # NVML clock event reasons: a bitmask; only the slowdown bits say the GPU runs slow
+    ("clocks_event_reasons", 0x4, WARNING, HealthKind.LOW_GRADE),  # software power cap
+    ("clocks_event_reasons", 0x1 | 0x2 | 0x10, CRITICAL, HealthKind.LOW_GRADE),
+    ("clocks_event_reasons", 0x8, WARNING, HealthKind.SLOWDOWN),  # hardware slowdown
+    ("clocks_event_reasons", 0x4 | 0x40, WARNING, HealthKind.SLOWDOWN),  # + hw thermal
+    ("clocks_event_reasons", 0x20, WARNING, HealthKind.SLOWDOWN),  # software thermal
+    ("clocks_event_reasons", 0x80, CRITICAL, HealthKind.SLOWDOWN),  # power brake
     ("nic_errors", 12, WARNING, HealthKind.NETWORK),
     ("ib_link_down", 1, CRITICAL, HealthKind.NETWORK_DOWN),
     ("ecc_correctable", 3, WARNING, HealthKind.LOW_GRADE),
@@ -127,6 +134,21 @@ def test_a_throttle_on_the_stragglers_gpu_makes_it_hardware() -> None:
     assert any(e.fact is Fact.LATE for e in verdict.evidence)
     assert verdict.summary.startswith("warning throttle=1 on gpu1 of node node-2, 1.0 s before "
                                       "the window ended coincides with the straggler of rank 17")
+
+
+def test_a_software_power_cap_on_the_stragglers_gpu_leaves_the_straggler() -> None:
+    """Every GPU at its power limit reports the software power cap; it explains no GPU slower
+    than its peers at the same limit. A thermal slowdown bit in the same report does."""
+    capped = diagnose_observation(straggling(("node-2", "clocks_event_reasons", WARNING, -1),
+                                             value=0x4), SETTINGS)
+    assert capped is not None and capped.kind is IncidentKind.STRAGGLER
+    assert capped.culprit_ranks == (17,)
+    [context] = context_of(capped)
+    assert context.startswith(CONTEXT + "warning clocks_event_reasons=4 on gpu1 of node node-2")
+    hot = diagnose_observation(straggling(("node-2", "clocks_event_reasons", WARNING, -1),
+                                          value=0x44), SETTINGS)
+    assert hot is not None and hot.kind is IncidentKind.HARDWARE
+    assert hot.culprit_ranks == (17,)
 
 
 def test_a_throttle_on_another_gpu_of_the_node_is_context() -> None:
