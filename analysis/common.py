@@ -353,7 +353,8 @@ def own_time(stats: RankStats, judged: npt.NDArray[np.bool_],
     gap, and being the last to arrive only the rest: its peers' compute then overlaps their
     (longer) non-blocking operations, gradient buckets or posted sends, and hides from the trace,
     while its own shows. So the rank's compute counts as longer than its peers' only as far as
-    both its longest gap (against its peers' longest) and its other gaps (as a share of its
+    both its longest gap (against its peers' longest, `peer_floor`: the group where nobody
+    paused) and its other gaps (as a share of its
     active span, against its peers' share) are longer: the lesser ratio. How much longer its
     other gaps are in all, counted in its peers' longest gaps (`excess_gaps`), says whether more
     than one step shows it: a pause, or one step of being last after it, adds one or two."""

@@ -21,8 +21,12 @@ verdict with the right top-1 counts as the right kind; `by_variant` shows the va
 
 The scenarios run under field conditions (`tracehound.analysis.sim.FIELD`: node clocks
 offset by `--skew-ms` and drifting, every common layout, steps from 50 ms to 30 s, fault sizes
-across the grey zone, harmless pauses, checkpoints, evaluation and health warnings), and the
-benchmark reports what it does not know as well as what it does:
+across the grey zone, gradual faults starting at any step up to the window's middle, harmless
+pauses, checkpoints, evaluation and health warnings), and the benchmark reports what it does not
+know as well as what it does. One window per scenario: a gradual fault that starts in a window's
+last steps looks like a pause there and is judged in the supervisor's next window, which the
+scenario's window stands for by holding the fault for at least half its steps (the figures
+below say nothing of a gradual fault's first window after its start):
 
 - skew_ms: the sigma of the node clock offsets the scenarios ran with;
 - bars: precision and recall of the graded classes above the size the issue asks for (straggler
