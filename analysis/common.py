@@ -258,6 +258,7 @@ def _group_medians(values: F64, judged: npt.NDArray[np.bool_],
 
 
 def _or_job_median(ref: F64, values: F64, judged: npt.NDArray[np.bool_]) -> F64:
+    """`ref`, the median of every judged value where it is NaN (as it is where nothing is)."""
     if judged.any():
         return np.where(np.isnan(ref), float(np.median(values[judged])), ref)
     return ref
@@ -290,10 +291,10 @@ def peer_floor(values: F64, judged: npt.NDArray[np.bool_], groups: Sequence[I64]
     (the job's median where no group gives one). Where half a data parallel group pauses at
     once (a checkpoint written from one replica, an evaluation), that group's median is a
     pause; its tensor parallel group's is not."""
-    ref = np.full(values.shape, np.inf)
+    ref = np.full(values.shape, np.nan)
     at, med, _ = _group_medians(values, judged, groups)
-    np.minimum.at(ref, at, med)
-    return _or_job_median(np.where(np.isinf(ref), np.nan, ref), values, judged)
+    np.fmin.at(ref, at, med)  # fmin: a NaN (no group yet) gives way to any median
+    return _or_job_median(ref, values, judged)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -354,8 +355,8 @@ def own_time(stats: RankStats, judged: npt.NDArray[np.bool_],
     (longer) non-blocking operations, gradient buckets or posted sends, and hides from the trace,
     while its own shows. So the rank's compute counts as longer than its peers' only as far as
     both its longest gap (against its peers' longest, `peer_floor`: the group where nobody
-    paused) and its other gaps (as a share of its
-    active span, against its peers' share) are longer: the lesser ratio. How much longer its
+    paused) and its other gaps (as a share of its active span, against its peers' share) are
+    longer: the lesser ratio. How much longer its
     other gaps are in all, counted in its peers' longest gaps (`excess_gaps`), says whether more
     than one step shows it: a pause, or one step of being last after it, adds one or two."""
     if stats.busy_us is None or stats.busy_max_us is None or stats.active_us is None:

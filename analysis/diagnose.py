@@ -72,6 +72,13 @@ def _corroborate(verdict: Verdict, outliers: Verdict | None) -> Verdict:
     )
 
 
+def _explained(verdict: Verdict, obs: Observation, settings: DetectionSettings) -> Verdict:
+    """The hardware verdict a relevant health event makes of `verdict`, else `verdict` with the
+    culprit nodes' other health samples as context."""
+    return correlate_hardware(verdict, obs, settings) or with_health_evidence(verdict, obs,
+                                                                              settings)
+
+
 def _slow_at_everything(obs: Observation, settings: DetectionSettings,
                         stall: Verdict) -> Verdict | None:
     """The straggler verdict of the window when it leads with the stall's busy rank: peers
@@ -112,13 +119,11 @@ def diagnose_observation(obs: Observation | JobSnapshot,
                 return stopped
             slow = _slow_at_everything(obs, settings, hang)
             if slow is not None:
-                return correlate_hardware(slow, obs, settings) or with_health_evidence(
-                    slow, obs, settings)
+                return _explained(slow, obs, settings)
             return with_health_evidence(hang, obs, settings)
         if hang.basis is Basis.UNLOCALIZED:
             hang = detect_silent_hang(obs, settings, stall=hang) or hang
-        stopped = correlate_hardware(hang, obs, settings)
-        return stopped or with_health_evidence(hang, obs, settings)
+        return _explained(hang, obs, settings)
 
     outliers = detect_node_outliers(obs, settings)
     link = detect_slow_link(obs, settings)
