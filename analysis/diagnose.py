@@ -12,7 +12,10 @@ evidence is:
   rank's node (not a warning) that can stop it (`analysis.hardware`: a fault of its GPU, an
   NVLink or network link down) turns it into a hardware verdict, and the window's straggler
   verdict replaces it when it leads with the busy rank (with steps of tens of seconds a
-  straggler's peers wait seconds on it at every step: a stall at every look).
+  straggler's peers wait seconds on it at every step: a stall at every look). A stall whose
+  busy ranks have been busy for less than the job's typical step is the rhythm of long
+  pipeline steps (stages wait seconds on each other every step), not news: the window's
+  anomalies come first and it stands only without them.
 - A hang that control dependency cannot localize is handed to the stack traces (silent hang).
 - A hardware health event on the culprit node of a hang, silent hang, slow link, straggler or
   node outlier turns that verdict into a hardware verdict on that node when it is relevant to
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tracehound.analysis.common import typical_step_us
 from tracehound.analysis.confidence import nudged
 from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang
 from tracehound.analysis.hardware import (
@@ -52,7 +56,7 @@ from tracehound.analysis.outliers import detect_node_outliers
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.stacks import detect_silent_hang
 from tracehound.analysis.straggler import detect_straggler
-from tracehound.analysis.verdict import Basis, Verdict
+from tracehound.analysis.verdict import Basis, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
 
 _CORROBORATED = frozenset({IncidentKind.STRAGGLER, IncidentKind.SLOW_LINK})
@@ -92,6 +96,15 @@ def _slow_at_everything(obs: Observation, settings: DetectionSettings,
     return replace(straggler, evidence=straggler.evidence + now[: settings.max_evidence])
 
 
+def _within_a_step(stall: Verdict, snap: JobSnapshot) -> bool:
+    """Whether every busy rank of a stall has been outside collectives for less than the job's
+    typical step: with steps of tens of seconds, pipeline stages wait seconds on each other at
+    every step, so such a stall is the step's rhythm, not news (False without step times)."""
+    step_us = typical_step_us(snap)
+    busy = [e.value for e in stall.evidence if e.fact is Fact.BUSY]
+    return step_us > 0 and bool(busy) and max(busy) * 1e6 < step_us
+
+
 def diagnose_observation(obs: Observation | JobSnapshot,
                          settings: DetectionSettings | None = None) -> Verdict | None:
     """The best verdict for the observation, or None while nothing is wrong. This is the one
@@ -109,6 +122,7 @@ def diagnose_observation(obs: Observation | JobSnapshot,
     if mismatch is not None:
         return mismatch
     hang = detect_hang(snap, settings)
+    stall: Verdict | None = None
     if hang is not None:
         if hang.kind is IncidentKind.STALL:
             # A busy rank is alive: only a critical device event (a GPU fallen off the bus, an
@@ -120,10 +134,13 @@ def diagnose_observation(obs: Observation | JobSnapshot,
             slow = _slow_at_everything(obs, settings, hang)
             if slow is not None:
                 return _explained(slow, obs, settings)
-            return with_health_evidence(hang, obs, settings)
-        if hang.basis is Basis.UNLOCALIZED:
-            hang = detect_silent_hang(obs, settings, stall=hang) or hang
-        return _explained(hang, obs, settings)
+            if not _within_a_step(hang, snap):
+                return with_health_evidence(hang, obs, settings)
+            stall = hang
+        else:
+            if hang.basis is Basis.UNLOCALIZED:
+                hang = detect_silent_hang(obs, settings, stall=hang) or hang
+            return _explained(hang, obs, settings)
 
     outliers = detect_node_outliers(obs, settings)
     link = detect_slow_link(obs, settings)
@@ -143,4 +160,6 @@ def diagnose_observation(obs: Observation | JobSnapshot,
             return hardware
     if anomalies:
         return with_health_evidence(anomalies[0], obs, settings)
+    if stall is not None:
+        return with_health_evidence(stall, obs, settings)
     return detect_throttled_gpu(obs, settings) or detect_slow_node(obs, settings)

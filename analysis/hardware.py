@@ -415,8 +415,11 @@ def judge_health(verdict: Verdict, obs: Observation,
     gpus = rank_gpus(obs.snapshot, settings)
     span = symptom_span(verdict, symptom, obs)
     slack = round(settings.health_slack_s * US_PER_S)
+    # The events of the minutes before the window (`Observation.health`) are judged for a
+    # stop, which may have begun then; a symptom of the window is judged by the window's own.
+    oldest = -1 if symptom is _S.STOPPED else obs.window_start_us - slack
     out = []
-    for s in samples:
+    for s in (s for s in samples if s.time_us >= oldest):
         node = str(s.node)
         ranks = tuple(on_node.get(node, ()))
         kind = health_kind(s)

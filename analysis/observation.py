@@ -8,7 +8,7 @@ wrong one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,10 +21,25 @@ from tracehound.analysis.clocks import (
 )
 from tracehound.analysis.detect import UNEVEN_OPS
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
-from tracehound.tracing.events import HealthSample, StackSample
+from tracehound.tracing.events import HealthSample, HealthSeverity, StackSample
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore
 from tracehound.tracing.summaries import Disagreement, LinkStats, NodeWindows, RankStats
+
+HEALTH_LOOKBACK_S = 600.0
+"""How far before the window an observation holds health events: a fault that stopped a rank
+(an Xid, a GPU fallen off the bus) is reported once, near the stop, and explains the stop for
+as long as it lasts (`DetectionSettings.busy_grace_s`)."""
+
+
+def window_health(samples: Iterable[HealthSample], start_us: int, end_us: int, *,
+                  lookback_s: float = HEALTH_LOOKBACK_S) -> tuple[HealthSample, ...]:
+    """What an observation of [start_us, end_us) holds of `samples` (`Observation.health`):
+    those in the window, and the warning and critical ones of `lookback_s` before it."""
+    earliest = start_us - int(lookback_s * 1_000_000)
+    return tuple(h for h in samples if h.time_us < end_us and (
+        h.time_us >= start_us
+        or (h.time_us >= earliest and h.severity is not HealthSeverity.INFO)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,7 +56,8 @@ class Observation:
     stacks: tuple[StackSample, ...] = ()
     """The newest stack sample of each rank that has one."""
     health: tuple[HealthSample, ...] = ()
-    """Health samples of the job's nodes in the window (events and metrics)."""
+    """Health samples of the job's nodes in the window (events and metrics), and the events
+    (warning and critical samples) of the `HEALTH_LOOKBACK_S` before it."""
     node_windows: NodeWindows | None = None
     """Per-node features over consecutive windows ending at window_end_us."""
     clocks: ClockEstimate | None = None
@@ -70,6 +86,7 @@ def load_observation(
     uneven_ops: tuple[str, ...] = UNEVEN_OPS,
     min_collectives: int = 24,
     max_window_s: float = 900.0,
+    health_lookback_s: float = HEALTH_LOOKBACK_S,
 ) -> Observation:
     """Read one detection window ending at `now_us` from a store; every summary is computed by
     the store in SQL, so the rows read back are per rank, per link or per node, never per event.
@@ -83,7 +100,8 @@ def load_observation(
     `window_s` is the shortest window: where the median rank has fewer than `min_collectives`
     collectives in it (steps of tens of seconds), the window widens, up to `max_window_s`, until
     it holds that many, and the per-node windows widen with it. Node clock offsets are estimated
-    first (`analysis.clocks`) and every summary compares times on the clocks they correct."""
+    first (`analysis.clocks`) and every summary compares times on the clocks they correct.
+    Health events are read from `health_lookback_s` before the window on (`HEALTH_LOOKBACK_S`)."""
     snap = snapshot or load_snapshot(store, job=job, attempt=attempt, now_us=now_us,
                                      expected_ranks=expected_ranks)
     start = now_us - int(window_s * 1_000_000)
@@ -118,7 +136,9 @@ def load_observation(
         disagreements=tuple(disagreements),
         disagreements_dropped=disagreements.dropped,
         stacks=tuple(store.latest_stacks(job, attempt, start)),
-        health=tuple(store.health(nodes, start, now_us)),
+        health=(*store.health(nodes, start - int(health_lookback_s * 1_000_000), start,
+                              events_only=True),
+                *store.health(nodes, start, now_us)),
         node_windows=store.node_windows(job, attempt, node_start, now_us,
                                         int(node_window_s * scale * 1_000_000), clock=clock),
     )

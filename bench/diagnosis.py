@@ -82,7 +82,7 @@ from tracehound.analysis.clocks import clock_bucket_us, estimate_clocks
 from tracehound.analysis.confidence import LEVELS, level_of
 from tracehound.analysis.detect import UNEVEN_OPS
 from tracehound.analysis.diagnose import diagnose_observation
-from tracehound.analysis.observation import Observation, load_observation
+from tracehound.analysis.observation import Observation, load_observation, window_health
 from tracehound.analysis.sim import (
     FAULT_KINDS,
     SimulatedJob,
@@ -231,6 +231,71 @@ def recall_by_size(outcomes: list[Outcome]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def supervisor_windows(ranks: int, seed: int, count: int, skew_ms: float,
+                       fault: str | None = None) -> Iterator[SimulatedJob]:
+    """`count` consecutive windows of one job as the supervisor judges them: 10 s, or 6 steps
+    where that is longer (it widens its window to hold enough collectives)."""
+    probe = next(consecutive_windows(ranks=ranks, seed=seed, count=1, window_steps=6,
+                                     skew_ms=skew_ms, fault=fault))
+    six_steps_s = (probe.now_us - probe.window_start_us) / 1e6
+    width: dict[str, Any] = {"window_steps": 6} if six_steps_s >= 10.0 else {"window_s": 10.0}
+    return consecutive_windows(ranks=ranks, seed=seed, count=count, skew_ms=skew_ms,
+                               fault=fault, **width)
+
+
+OVER_TIME_WINDOWS = 6
+"""Windows each job of `over_time` is played for (its fault starts in one of the first half)."""
+
+
+def over_time(jobs: int, seed: int, skew_ms: float) -> dict[str, dict[str, Any]]:
+    """The graded classes as the supervisor meets them: `jobs` long jobs per class (64..1,024
+    ranks) whose fault starts mid-run, judged window after window. Per class, over the jobs
+    whose fault is at least its bar (`BARS`; hardware: all): the share whose culprit was
+    named (right kind and first culprit) within 1, 2, 3... windows of the first window that
+    holds the fault; the share named so in two consecutive windows (what the default policy
+    acts on for a soft fault) within as many; and the verdicts, once the fault struck, of its
+    kind naming a wrong culprit."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[str, Any]] = {}
+    for cls in ("straggler", "slow_link", "hardware"):
+        named: list[int | None] = []
+        twice: list[int | None] = []
+        wrong = judged = 0
+        for _ in range(jobs):
+            ranks = int(rng.choice((64, 128, 256, 512, 1024)))
+            job_seed = int(rng.integers(1 << 30))
+            since: list[tuple[bool, bool]] = []  # (right, wrong culprit) per struck window
+            size = 0.0
+            for window in supervisor_windows(ranks, job_seed, OVER_TIME_WINDOWS, skew_ms,
+                                             fault=cls):
+                if window.truth.kind is None:
+                    continue
+                size = float(window.truth.size)
+                verdict = diagnose_observation(window.observation())
+                mine = verdict is not None and verdict.kind.value == cls
+                since.append((mine and right(window, verdict),
+                              mine and not right(window, verdict)))
+            if size < BARS.get(cls, 0.0):
+                continue
+            judged += len(since)
+            wrong += sum(w for _, w in since)
+            hits = [i for i, (r, _) in enumerate(since) if r]
+            named.append(hits[0] + 1 if hits else None)
+            pairs = [i + 1 for i in hits if i + 1 < len(since) and since[i + 1][0]]
+            twice.append(pairs[0] + 1 if pairs else None)
+        n = len(named)
+        out[cls] = {
+            "min_size": BARS.get(cls, 0.0), "n": n,
+            "named_within": {k: _ratio(sum(x is not None and x <= k for x in named), n)
+                             for k in range(1, OVER_TIME_WINDOWS)},
+            "named_twice_within": {k: _ratio(sum(x is not None and x <= k for x in twice), n)
+                                   for k in range(2, OVER_TIME_WINDOWS)},
+            "wrong_culprit_windows": wrong, "windows": judged,
+        }
+        say(f"over time: {cls} {out[cls]}")
+    return out
+
+
 def fp_per_window(windows: int, seed: int, skew_ms: float,
                   per_job: int = 25) -> dict[str, Any]:
     """Consecutive detection windows of long healthy jobs (64..256 ranks, field conditions,
@@ -246,16 +311,9 @@ def fp_per_window(windows: int, seed: int, skew_ms: float,
         ranks = int(rng.choice((64, 128, 256), p=(0.5, 0.3, 0.2)))
         job_seed = int(rng.integers(1 << 30))
         count = min(per_job, windows - seen)
-        probe = next(consecutive_windows(ranks=ranks, seed=job_seed, count=1, window_steps=6,
-                                         skew_ms=skew_ms))
-        six_steps_s = (probe.now_us - probe.window_start_us) / 1e6
-        runs = (consecutive_windows(ranks=ranks, seed=job_seed, count=count, window_steps=6,
-                                    skew_ms=skew_ms) if six_steps_s >= 10.0 else
-                consecutive_windows(ranks=ranks, seed=job_seed, count=count, window_s=10.0,
-                                    skew_ms=skew_ms))
         jobs += 1
         before: Verdict | None = None
-        for window in runs:
+        for window in supervisor_windows(ranks, job_seed, count, skew_ms):
             verdict = diagnose_observation(window.observation())
             kinds[verdict.kind.value if verdict else "none"] += 1
             if (verdict is not None and before is not None and verdict.kind == before.kind
@@ -448,9 +506,8 @@ def numpy_like_store(sim: SimulatedJob, *, window_s: int, node_window_s: float) 
         disagreements=tuple(found), disagreements_dropped=found.dropped,
         stacks=tuple(sorted((s for s in sim.stacks if s.time_us >= start),
                             key=lambda s: s.rank)),
-        health=tuple(sorted((h for h in sim.health
-                             if h.node in nodes and start <= h.time_us < end),
-                            key=lambda h: h.time_us)),
+        health=tuple(sorted((h for h in window_health(sim.health, start, end)
+                             if h.node in nodes), key=lambda h: h.time_us)),
         node_windows=summaries.node_windows(cols, nodes_of, reach, end,
                                             int(node_window_s * 1_000_000), clock=clock),
     )
@@ -507,6 +564,7 @@ def main() -> int:
     result["recall_by_size"] = recall_by_size(outcomes)
     windows = args.windows if args.windows is not None else (150 if args.quick else 1000)
     result["fp_per_window"] = fp_per_window(windows, 31_337, args.skew_ms)
+    result["over_time"] = over_time(4 if args.quick else 24, 4_242, args.skew_ms)
     if not args.quick:
         result["by_skew"] = by_skew(scenarios[::3])
     result["analysis_s"] = {} if args.no_timing else analysis_seconds(TIMED_RANKS)
@@ -554,6 +612,14 @@ def table(result: dict[str, Any]) -> str:
                  f"(rate {w['rate']}; windows of {w['mean_window_s']} s on average, so "
                  f"{w['per_day']} false verdicts per job-day; stalls watched {w['stalls']}); "
                  f"kinds {w['by_kind']}")
+    lines.append("over consecutive windows (share named within k windows of the fault's first;"
+                 " named twice in a row within k):")
+    for cls, m in result["over_time"].items():
+        within = " ".join(f"{k}:{fmt(v).strip()}" for k, v in m["named_within"].items())
+        twice = " ".join(f"{k}:{fmt(v).strip()}" for k, v in m["named_twice_within"].items())
+        lines.append(f"  {cls:10} from {m['min_size']}x (n={m['n']}): named {within}; twice "
+                     f"{twice}; wrong culprit in {m['wrong_culprit_windows']}/{m['windows']} "
+                     "windows")
     for skew, m in result.get("by_skew", {}).items():
         lines.append(f"at {skew} ms: " + ", ".join(
             f"{c} {fmt(v['recall']).strip()}" for c, v in m["classes"].items())

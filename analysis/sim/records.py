@@ -22,7 +22,7 @@ import numpy as np
 
 from tracehound.analysis.clocks import clock_bucket_us, estimate_clocks
 from tracehound.analysis.detect import UNEVEN_OPS
-from tracehound.analysis.observation import Observation
+from tracehound.analysis.observation import HEALTH_LOOKBACK_S, Observation, window_health
 from tracehound.analysis.sim.conditions import LAB, Conditions
 from tracehound.analysis.sim.engine import DTYPES, INF, OPS, Bools, Engine, Events
 from tracehound.analysis.sim.faults import (
@@ -64,6 +64,8 @@ BASE_EPOCH_US = 1_767_225_600_000_000
 """2026-01-01T00:00:00Z; every scenario starts at its own hour after it."""
 
 _US = 1_000_000
+_LOOKBACK_US = HEALTH_LOOKBACK_S * _US
+"""Events reported this long before a window are in its records (`Observation.health`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -154,7 +156,7 @@ class SimulatedJob:
             disagreements=tuple(found),
             disagreements_dropped=found.dropped,
             stacks=tuple(s for s in self.stacks if s.time_us >= start),
-            health=tuple(h for h in self.health if start <= h.time_us < end),
+            health=window_health(self.health, start, end),
             node_windows=node_windows(cols, self.rank_nodes, self.window_start_us, end, width,
                                       clock=clock),
         )
@@ -229,7 +231,7 @@ class Timeline:
 
     def records(self, now: float, *, start: float = 0.0) -> _Records:
         """What the store holds at relative time `now` (events kept from `start - pad_us`;
-        health samples from `start`)."""
+        health metrics from `start`, events from `HEALTH_LOOKBACK_S` before it)."""
         eng, d, ev, ctx = self.eng, self.draft, self.ev, self.ctx
         topo = eng.topo
         rng = np.random.default_rng([ctx.seed, topo.ranks, int(now), 5])
@@ -626,7 +628,8 @@ def _stacks(eng: Engine, w: Workload, ev: Events, rng: np.random.Generator, *, c
 def _health(tl: Timeline, rng: np.random.Generator, *, start: float,
             now: float) -> tuple[HealthSample, ...]:
     """Benign INFO metrics of every GPU sampled in [start, now), plus the fault's and the
-    noise's events reported by then (from `start` on), on their nodes' clocks."""
+    noise's events reported by then (from `HEALTH_LOOKBACK_S` before `start` on), on their
+    nodes' clocks."""
     d, topo, job, clock = tl.draft, tl.eng.topo, tl.ctx.job, tl.ctx.clock
     n = topo.ranks
     rel = rng.uniform(max(start, 0.0), now, (2, n))
@@ -651,7 +654,7 @@ def _health(tl: Timeline, rng: np.random.Generator, *, start: float,
         # a state that began before the window and persists (a throttled GPU stays throttled):
         # the agent's periodic samples report it again inside the window
         at = float(rel[0, r]) if when == "onset" and noted <= start else noted
-        if not start <= at < now:
+        if not start - _LOOKBACK_US <= at < now:
             continue
         out.append(HealthSample(job=job, node=NodeId(topo.node_of(r)), device=dev,
                                 time_us=int(clock.at(min(at, now - 1), r)),

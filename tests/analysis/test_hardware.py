@@ -180,10 +180,11 @@ def test_an_event_elsewhere_or_long_before_leaves_the_straggler_verdict() -> Non
     elsewhere = diagnose_observation(straggling(("node-5", "xid", CRITICAL, -1)), SETTINGS)
     assert elsewhere is not None and elsewhere.kind is IncidentKind.STRAGGLER
     assert context_of(elsewhere) == []  # not on a culprit node: not even context
-    stale = diagnose_observation(straggling(("node-2", "throttle", WARNING, -3600)), SETTINGS)
+    # An observation holds the events of minutes before its window (for stops that began
+    # then); one from before the window's slack says nothing of a slow rank in it.
+    stale = diagnose_observation(straggling(("node-2", "throttle", WARNING, -300)), SETTINGS)
     assert stale is not None and stale.kind is IncidentKind.STRAGGLER
-    [context] = context_of(stale)
-    assert "s before the window began, more than the 30 s slack" in context
+    assert context_of(stale) == []
 
 
 def by_hand(kind: IncidentKind, ranks: tuple[int, ...], *, confidence: float = LIKELY,

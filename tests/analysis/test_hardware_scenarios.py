@@ -12,7 +12,7 @@ import pytest
 
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation
-from tracehound.analysis.sim import SimulatedJob, simulate
+from tracehound.analysis.sim import SimulatedJob, consecutive_windows, simulate
 from tracehound.analysis.verdict import Fact, Verdict
 from tracehound.tracing.events import HealthSample, HealthSeverity, IncidentKind
 from tracehound.tracing.ids import NodeId
@@ -173,3 +173,24 @@ def test_a_power_cap_report_on_a_gpu_at_full_speed_changes_nothing() -> None:
                          obs.window_start_us + S, "SW power cap (clocks event reason 0x4)")
             assert diagnose_observation(replace(obs, health=(*obs.health, cap))) is None, (
                 seed, rank)
+
+
+def test_an_xid_reported_once_explains_the_stop_in_every_later_window() -> None:
+    """An Xid 79 is reported once, when its rank stops; the windows after it no longer hold it,
+    yet the rank stays stopped. Each observation holds the events of the minutes before its
+    window, so every window after the stop still names the hardware fault, the last ones with
+    the Xid seconds to tens of seconds before them."""
+    windows = list(consecutive_windows(ranks=RANKS, seed=549665576, count=6, window_s=10.0,
+                                       fault="hardware", skew_ms=20.0))
+    struck = [w for w in windows if w.truth.kind is not None]
+    assert struck and struck[0].truth.variant == "xid_hang"
+    before_window = 0
+    for w in struck:
+        obs = w.observation()
+        verdict = diagnose_observation(obs)
+        assert verdict is not None and verdict.kind is IncidentKind.HARDWARE
+        assert verdict.culprit_ranks[0] == w.truth.culprit_ranks[0]
+        xid = [h for h in obs.health if h.metric == "xid"]
+        assert len(xid) == 1
+        before_window += xid[0].time_us < obs.window_start_us
+    assert before_window >= 2

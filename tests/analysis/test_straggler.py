@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
 import numpy as np
 import pytest
 from observation_builders import T0, S, arrivals, beat, groups, observe, snapshot
 from played_jobs import ddp, layout, megatron
 
-from tracehound.analysis.common import peer_floor, peer_median, role_groups
+from tracehound.analysis.common import peer_floor, peer_median, role_groups, typical_step_us
 from tracehound.analysis.confidence import LIKELY, WEAK
 from tracehound.analysis.detect import DetectionSettings, detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
@@ -361,3 +362,29 @@ def test_the_longest_gap_of_peers_is_taken_from_the_group_that_did_not_pause() -
     assert peer_median(longest, judged, groups)[0] == pytest.approx(2.0)
     assert floor[2] == pytest.approx(0.2)  # the writer's own tensor peer did not pause
     assert floor[1] == pytest.approx(0.2)
+
+
+def test_a_stall_shorter_than_a_step_leaves_the_window_to_its_straggler() -> None:
+    """With 20-second 1F1B steps the pipeline neighbours of a straggler (seed 8: rank 53, 1.66x)
+    are the ones busy at the window's end, while stage 0 waits on them: a stall shorter than a
+    step, which long pipeline steps show at almost every look. The window's straggler is the
+    verdict. Looked at again two steps later with nobody having moved, the stall outlasts a
+    step and stands: it is no longer the step's rhythm."""
+    sim = simulate(ranks=64, fault="straggler", seed=8, workload="1f1b", step_s=20.0)
+    obs = sim.observation()
+    stall = detect_hang(obs.snapshot, SETTINGS)
+    culprit = sim.truth.culprit_ranks[0]
+    assert stall is not None and stall.kind is IncidentKind.STALL
+    assert culprit not in stall.culprit_ranks
+    verdict = diagnose_observation(obs, SETTINGS)
+    assert verdict is not None and verdict.kind is IncidentKind.STRAGGLER
+    assert verdict.culprit_ranks[0] == culprit
+
+    shift = int(2 * typical_step_us(obs.snapshot))  # every rank reports, nobody moves
+    snap = obs.snapshot
+    beats = tuple(msgspec.structs.replace(hb, time_us=hb.time_us + shift)
+                  for hb in snap.heartbeats)
+    later = replace(obs, snapshot=replace(snap, now_us=snap.now_us + shift, heartbeats=beats))
+    again = diagnose_observation(later, SETTINGS)
+    assert again is not None and again.kind is IncidentKind.STALL
+    assert set(again.culprit_ranks) == set(stall.culprit_ranks)

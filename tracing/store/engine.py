@@ -389,7 +389,8 @@ class SqlTraceStore(abc.ABC):
         return self._read(ProcessSample, q.SQL_LATEST_SINCE,
                           {"job": job, "attempt": attempt, "since_us": max(since_us, 0)})
 
-    def health(self, nodes: Sequence[str], start_us: int, end_us: int) -> list[HealthSample]:
+    def health(self, nodes: Sequence[str], start_us: int, end_us: int, *,
+               events_only: bool = False) -> list[HealthSample]:
         wanted = sorted(set(nodes))
         start = max(start_us, 0)
         if not wanted or end_us <= start:
@@ -397,7 +398,8 @@ class SqlTraceStore(abc.ABC):
         params: dict[str, Param] = {"start_us": start, "end_us": end_us}
         params.update({f"node_{i}": node for i, node in enumerate(wanted)})
         placeholders = ", ".join(f"{{node_{i}:String}}" for i in range(len(wanted)))
-        return self._read(HealthSample, q.SQL_HEALTH, params, nodes=placeholders)
+        sql = q.SQL_HEALTH_EVENTS if events_only else q.SQL_HEALTH
+        return self._read(HealthSample, sql, params, nodes=placeholders)
 
     def record_incident(self, incident: Incident) -> None:
         self._insert(table_of(Incident), kinds.layout(Incident).column_batch([incident]))

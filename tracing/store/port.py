@@ -161,9 +161,10 @@ class TraceStore(Protocol):
         rank."""
         ...
 
-    def health(self, nodes: Sequence[str], start_us: int, end_us: int) -> list[HealthSample]:
+    def health(self, nodes: Sequence[str], start_us: int, end_us: int, *,
+               events_only: bool = False) -> list[HealthSample]:
         """Health samples of `nodes` in [start_us, end_us), whatever job they name, oldest
-        first."""
+        first; with `events_only` only the warning and critical ones (no plain metrics)."""
         ...
 
     def record_incident(self, incident: Incident) -> None:

@@ -128,6 +128,14 @@ WHERE node IN ({nodes}) AND time_us >= {start_us:UInt64} AND time_us < {end_us:U
 ORDER BY time_us, node, device, metric, source, job
 """
 
+SQL_HEALTH_EVENTS = """
+SELECT {columns}
+FROM {db}.health
+WHERE node IN ({nodes}) AND time_us >= {start_us:UInt64} AND time_us < {end_us:UInt64}
+  AND severity IN ('warning', 'critical')
+ORDER BY time_us, node, device, metric, source, job
+"""
+
 # --- window summaries (definitions: tracing/summaries.py) ---
 # Each reads one job/attempt window [start_us, end_us) without FINAL: the exactly-once insert
 # path keeps a row from being stored twice. Differences of times are taken as Int64 so they never
@@ -361,6 +369,7 @@ READ_QUERIES: dict[str, tuple[Table, str]] = {
     "latest_stacks": (STACKS, SQL_LATEST_SINCE),
     "latest_processes": (PROCESSES, SQL_LATEST_SINCE),
     "health": (HEALTH, SQL_HEALTH),
+    "health_events": (HEALTH, SQL_HEALTH_EVENTS),
     "clock_readings": (CLOCK_READINGS, SQL_CLOCK_READINGS),
 }
 """The queries that read whole records back, with their table (checked against the schema)."""
