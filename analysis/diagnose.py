@@ -83,12 +83,11 @@ def _explained(verdict: Verdict, obs: Observation, settings: DetectionSettings) 
                                                                               settings)
 
 
-def _slow_at_everything(obs: Observation, settings: DetectionSettings,
-                        stall: Verdict) -> Verdict | None:
-    """The straggler verdict of the window when it leads with the stall's busy rank: peers
-    wait on it now because it computes longer at every step (long steps make a straggler's
-    peers wait seconds at a time), with the stall's facts added; None otherwise."""
-    straggler = detect_straggler(obs, settings)
+def _slow_at_everything(straggler: Verdict | None, stall: Verdict,
+                        settings: DetectionSettings) -> Verdict | None:
+    """The window's straggler verdict when it leads with the stall's busy rank: peers wait on
+    it now because it computes longer at every step (long steps make a straggler's peers wait
+    seconds at a time), with the stall's facts added; None otherwise."""
     if straggler is None or straggler.culprit_ranks[0] not in stall.culprit_ranks:
         return None
     lead = straggler.culprit_ranks[0]
@@ -123,6 +122,7 @@ def diagnose_observation(obs: Observation | JobSnapshot,
         return mismatch
     hang = detect_hang(snap, settings)
     stall: Verdict | None = None
+    straggler: Verdict | None = None
     if hang is not None:
         if hang.kind is IncidentKind.STALL:
             # A busy rank is alive: only a critical device event (a GPU fallen off the bus, an
@@ -131,7 +131,8 @@ def diagnose_observation(obs: Observation | JobSnapshot,
                                          critical_only=True)
             if stopped is not None:
                 return stopped
-            slow = _slow_at_everything(obs, settings, hang)
+            straggler = detect_straggler(obs, settings)
+            slow = _slow_at_everything(straggler, hang, settings)
             if slow is not None:
                 return _explained(slow, obs, settings)
             if not _within_a_step(hang, snap):
@@ -144,7 +145,8 @@ def diagnose_observation(obs: Observation | JobSnapshot,
 
     outliers = detect_node_outliers(obs, settings)
     link = detect_slow_link(obs, settings)
-    straggler = detect_straggler(obs, settings)
+    if stall is None:  # (a stall's branch judged the window's straggler already)
+        straggler = detect_straggler(obs, settings)
     if link is not None and straggler is not None and (
         set(link.culprit_ranks) & set(straggler.culprit_ranks)
     ):

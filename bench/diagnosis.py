@@ -33,6 +33,10 @@ below say nothing of a gradual fault's first window after its start):
   >= 1.3x, slow link >= 1.6x); scenarios of the class below the bar count neither way;
 - recall_by_size: per graded class (straggler, slow link, hardware), recall per band of fault
   size (the slowdown or latency factor): a curve, not one number;
+- over_time: the graded classes as the supervisor meets them, window after window of long
+  jobs whose fault starts mid-run: the share named within 1, 2, 3... windows of the first
+  window that holds the fault, the share named in two windows in a row (what the default
+  policy acts on for a soft fault), and the windows naming a wrong culprit of the class;
 - by_skew: every class at clock offsets of 0, 5 and 20 ms (not with --quick);
 - fp_per_window: consecutive detection windows (at least 10 s and 6 steps each, as the
   supervisor widens its window) of long healthy jobs (>= 1,000 windows without --quick), the
