@@ -136,9 +136,9 @@ def load_observation(
         disagreements=tuple(disagreements),
         disagreements_dropped=disagreements.dropped,
         stacks=tuple(store.latest_stacks(job, attempt, start)),
-        health=(*store.health(nodes, start - int(health_lookback_s * 1_000_000), start,
-                              events_only=True),
-                *store.health(nodes, start, now_us)),
+        health=tuple(store.health(
+            nodes, start, now_us,
+            events_since_us=start - int(health_lookback_s * 1_000_000))),
         node_windows=store.node_windows(job, attempt, node_start, now_us,
                                         int(node_window_s * scale * 1_000_000), clock=clock),
     )

@@ -101,14 +101,18 @@ def test_health_reads_the_nodes_asked_for_in_a_window_of_any_job(store: TraceSto
     store.insert(Batch(batch_id="b1", records=tuple(samples)))
     got = store.health(["node-0", "node-1", "node-0", "odd'node\\"], T0 + 10, T0 + 100)
     assert got == [samples[1], samples[6], samples[2], samples[0]]
-    # Events only: the warning and critical samples, not the plain metrics.
+    # Before the window, from events_since_us on: the warning and critical samples only, not
+    # the plain metrics; in the window every sample.
     metric = health("node-0", T0 + 40, "temperature_c", value=61.0,
                     severity=HealthSeverity.INFO)
-    store.insert(Batch(batch_id="b2", records=(metric,)))
+    later = health("node-0", T0 + 60, "temperature_c", value=62.0,
+                   severity=HealthSeverity.INFO)
+    store.insert(Batch(batch_id="b2", records=(metric, later)))
     assert metric in store.health(["node-0"], T0 + 10, T0 + 100)
-    events = store.health(["node-0", "node-1", "odd'node\\"], T0 + 10, T0 + 100,
-                          events_only=True)
-    assert events == [samples[1], samples[6], samples[2], samples[0]]
+    events = store.health(["node-0", "node-1", "odd'node\\"], T0 + 50, T0 + 100,
+                          events_since_us=T0 + 10)
+    assert events == [samples[1], samples[6], samples[2], samples[0], later]
+    assert store.health(["node-0"], T0 + 50, T0 + 100) == [later]
     assert store.health([], 0, T0 + 1000) == []
     assert store.health(["node-0"], T0 + 100, T0 + 100) == []
     assert store.health(["nowhere"], 0, T0 + 1000) == []

@@ -390,16 +390,17 @@ class SqlTraceStore(abc.ABC):
                           {"job": job, "attempt": attempt, "since_us": max(since_us, 0)})
 
     def health(self, nodes: Sequence[str], start_us: int, end_us: int, *,
-               events_only: bool = False) -> list[HealthSample]:
+               events_since_us: int | None = None) -> list[HealthSample]:
         wanted = sorted(set(nodes))
         start = max(start_us, 0)
-        if not wanted or end_us <= start:
+        since = max(min(start, start if events_since_us is None else events_since_us), 0)
+        if not wanted or end_us <= since:
             return []
-        params: dict[str, Param] = {"start_us": start, "end_us": end_us}
+        params: dict[str, Param] = {"start_us": start, "end_us": end_us,
+                                    "events_since_us": since}
         params.update({f"node_{i}": node for i, node in enumerate(wanted)})
         placeholders = ", ".join(f"{{node_{i}:String}}" for i in range(len(wanted)))
-        sql = q.SQL_HEALTH_EVENTS if events_only else q.SQL_HEALTH
-        return self._read(HealthSample, sql, params, nodes=placeholders)
+        return self._read(HealthSample, q.SQL_HEALTH, params, nodes=placeholders)
 
     def record_incident(self, incident: Incident) -> None:
         self._insert(table_of(Incident), kinds.layout(Incident).column_batch([incident]))

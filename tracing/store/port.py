@@ -162,9 +162,10 @@ class TraceStore(Protocol):
         ...
 
     def health(self, nodes: Sequence[str], start_us: int, end_us: int, *,
-               events_only: bool = False) -> list[HealthSample]:
-        """Health samples of `nodes` in [start_us, end_us), whatever job they name, oldest
-        first; with `events_only` only the warning and critical ones (no plain metrics)."""
+               events_since_us: int | None = None) -> list[HealthSample]:
+        """Health samples of `nodes` in [start_us, end_us), whatever job they name, and the
+        warning and critical ones (events, not plain metrics) from `events_since_us` on where
+        that is earlier; oldest first."""
         ...
 
     def record_incident(self, incident: Incident) -> None:

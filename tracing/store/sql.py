@@ -121,18 +121,13 @@ LIMIT 1 BY node
 """
 
 # `{nodes}` becomes one `{node_<i>:String}` placeholder per node asked about.
+# Every sample of [start_us, end_us), and the warning and critical ones (events, not plain
+# metrics) from events_since_us (<= start_us) on.
 SQL_HEALTH = """
 SELECT {columns}
 FROM {db}.health
-WHERE node IN ({nodes}) AND time_us >= {start_us:UInt64} AND time_us < {end_us:UInt64}
-ORDER BY time_us, node, device, metric, source, job
-"""
-
-SQL_HEALTH_EVENTS = """
-SELECT {columns}
-FROM {db}.health
-WHERE node IN ({nodes}) AND time_us >= {start_us:UInt64} AND time_us < {end_us:UInt64}
-  AND severity IN ('warning', 'critical')
+WHERE node IN ({nodes}) AND time_us >= {events_since_us:UInt64} AND time_us < {end_us:UInt64}
+  AND (time_us >= {start_us:UInt64} OR severity IN ('warning', 'critical'))
 ORDER BY time_us, node, device, metric, source, job
 """
 
@@ -369,7 +364,6 @@ READ_QUERIES: dict[str, tuple[Table, str]] = {
     "latest_stacks": (STACKS, SQL_LATEST_SINCE),
     "latest_processes": (PROCESSES, SQL_LATEST_SINCE),
     "health": (HEALTH, SQL_HEALTH),
-    "health_events": (HEALTH, SQL_HEALTH_EVENTS),
     "clock_readings": (CLOCK_READINGS, SQL_CLOCK_READINGS),
 }
 """The queries that read whole records back, with their table (checked against the schema)."""
