@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 from tracehound.tracing.settings import (
     DEFAULT_BUFFER_RECORDS,
     DEFAULT_HEARTBEAT_S,
+    DEFAULT_INFLIGHT_S,
     MIN_BUFFER_RECORDS,
     MIN_HEARTBEAT_S,
     TRACEHOUND_AGENT_SOCKET,
     TRACEHOUND_BUFFER_RECORDS,
     TRACEHOUND_DISABLE,
     TRACEHOUND_HEARTBEAT_S,
+    TRACEHOUND_INFLIGHT_S,
     env_flag,
     env_float,
     env_int,
@@ -108,6 +110,11 @@ def _heartbeat_s(env: Mapping[str, str]) -> float:
                      minimum=MIN_HEARTBEAT_S)
 
 
+def _inflight_s(env: Mapping[str, str]) -> float:
+    """TRACEHOUND_INFLIGHT_S of `env`, checked (SettingError)."""
+    return env_float(TRACEHOUND_INFLIGHT_S, DEFAULT_INFLIGHT_S, env=env, minimum=0.0)
+
+
 def _ensure_recorder() -> None:
     """Create the recorder on first need: a process that never imports torch never pays for it."""
     global _recorder, _transport
@@ -123,7 +130,7 @@ def _ensure_recorder() -> None:
     )
     _recorder = Recorder(
         job=job, attempt=attempt, node=node, rank=rank, sink=transport,
-        heartbeat_s=_heartbeat_s(_env),
+        heartbeat_s=_heartbeat_s(_env), inflight_s=_inflight_s(_env),
     )
     _transport = transport
     atexit.register(_at_exit)
@@ -241,6 +248,7 @@ def install(env: dict[str, str] | None = None) -> bool:
     # Bad values fail here, at start, with the variable's name, rather than inside an import.
     _buffer_records(source)
     _heartbeat_s(source)
+    _inflight_s(source)
     _env = source
     sys.meta_path.insert(0, PostImportFinder())
     for name in PATCHES:

@@ -1,21 +1,61 @@
 """The patches that feed the recorder: torch.distributed collectives, process groups, DDP, steps.
 
-`install_distributed` wraps the collective and point-to-point functions of `torch.distributed`
-(in both `torch.distributed` and `torch.distributed.distributed_c10d`) and `init_process_group` /
-`new_group`; `install_ddp` gives every DistributedDataParallel model one trampoline comm hook whose
-default is the standard all-reduce (DDP's own gradient all-reduce otherwise bypasses
-`dist.all_reduce`); `install_optimizer` counts training steps with a global optimizer step
-post-hook.
+`install_distributed` wraps the functions of `torch.distributed` a training job communicates with
+(in `torch.distributed.distributed_c10d`, and wherever `torch.distributed` or
+`torch.distributed.device_mesh` hold the same function):
+
+- collectives: all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor /
+  all_gather_single / _all_gather_base, reduce_scatter, reduce_scatter_tensor /
+  reduce_scatter_single / _reduce_scatter_base, all_to_all, all_to_all_single, gather, scatter,
+  barrier, monitored_barrier, all_reduce_coalesced, all_gather_coalesced. The aliases of one
+  collective are recorded under one op name (all_gather_into_tensor, reduce_scatter_tensor), so
+  members that call it by different names still agree. FSDP2 (`fully_shard`) all-gathers and
+  reduce-scatters through all_gather_single / reduce_scatter_single, so it is covered.
+- object collectives: all_gather_object, gather_object, broadcast_object_list,
+  scatter_object_list, each recorded as ONE operation of its group under its own name, nbytes 0
+  (their size is that of pickles made inside torch).
+- point-to-point: send, recv, isend, irecv, send_object_list, recv_object_list, and
+  batch_isend_irecv (each op of the batch recorded as its isend / irecv).
+- process groups: init_process_group, new_group (and so new_subgroups,
+  new_subgroups_by_enumeration), the `_new_group_with_tag` they and DeviceMesh go through,
+  split_group, shrink_group, destroy_process_group.
+
+`install_ddp` gives every DistributedDataParallel model one trampoline comm hook whose default is
+the standard all-reduce (DDP's own gradient all-reduce otherwise bypasses `dist.all_reduce`);
+`install_optimizer` counts training steps with a global optimizer step post-hook.
 
 A wrapper calls the original exactly as given and returns exactly what it returned; a user's
 exception is re-raised unchanged (after recording the operation as failed). Errors of the
 recording itself are swallowed and counted by the recorder. Nothing here may change what the
-training program computes or sees.
+training program computes or sees, block it, or add work per call that a record does not need.
 
-Sequence ids: every collective (including barrier) takes the next id of its process group.
+Sequence ids: every collective (including barrier) takes the next id of its process group, so the
+same (group, seq) is the same call on every member. A wrapped function called from inside another
+(torch's object collectives run two or three tensor collectives; send runs isend; the aliases call
+each other) is not recorded again: a thread-local depth guard lets only the outermost call count.
+Every member of an object collective runs the same internal calls (gather_object all-gathers the
+sizes and gathers on every member, scatter_object_list broadcasts the size and scatters twice on
+every member, ...), so counting the outer call alone keeps the ids aligned on all members.
+
 Point-to-point operations would break the "same id on every member" rule, so they count in a
 pseudo group per pair of ranks, named `<group>:p2p:<low>-<high>` (announced with a
-ProcessGroupInfo of backend "p2p"), or `<group>:p2p:any` for a receive from any source.
+ProcessGroupInfo of backend "p2p"), or `<group>:p2p:any` for a receive from any source; peers
+given as group ranks (`group_dst` / `group_src`, P2POp's `group_peer`) are recorded as global
+ranks. Calls outside a batch take their ids in the order each end makes them: blocking
+send/recv pair up in program order on both ends; isend/irecv agree when both ends issue a pair's
+transfers in the same order (not checked: a program may issue them in any order). The ops of one
+batch_isend_irecv may be listed in any order, so they take their ids in a canonical order: per
+pair, the transfers from the lower rank to the higher first, then the others, list order within
+one direction (the order torch matches them in). Both ends then number a transfer alike.
+
+Groups: a ProcessGroupInfo (the group's global ranks) is recorded once per group this rank is a
+member of, when the group is created, and otherwise when it is first used (groups created before
+the recorder was installed, or by a path not wrapped).
+
+Not covered: functional collectives (`torch.distributed._functional_collectives`, DTensor
+redistribution, torch.compile) run as C++ ops without these Python functions; DDP's own C++
+collectives (parameter broadcast and shape check at construction); the communication of a
+`_coalescing_manager` block, whose ops are recorded when they are queued (they end at once).
 """
 
 from __future__ import annotations
@@ -24,6 +64,7 @@ import functools
 import importlib
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,11 +76,27 @@ log = logging.getLogger(__name__)
 
 COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter", "barrier",
+    "all_gather_single", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "_reduce_scatter_base", "all_to_all", "all_to_all_single", "gather",
+    "scatter", "barrier", "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced",
+    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
 )
-POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "send_object_list", "recv_object_list")
+GROUP_FACTORIES = ("new_group", "_new_group_with_tag", "split_group", "shrink_group")
+"""Functions that return a new process group, announced with a ProcessGroupInfo."""
+
+OP_NAMES = {
+    "all_gather_single": "all_gather_into_tensor",
+    "_all_gather_base": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+}
+"""Aliases of one collective -> the op name it is recorded under."""
+
 _ALWAYS_ASYNC = ("isend", "irecv")
+_RETURNS_PEER = ("recv", "recv_object_list")
 _TENSOR_PARAMS = ("input_tensor", "input", "tensor")
+_TENSOR_LIST_PARAMS = ("input_tensor_list", "input_list", "tensors")
 
 _WRAPPED = "__tracehound_wrapped__"
 
@@ -58,12 +115,14 @@ class _Spec:
     async_pos: int
     tensor_pos: int
     tensor_name: str
+    tensor_list: bool
     peer_pos: int
     peer_name: str
     group_peer_pos: int
     group_peer_name: str
     p2p: bool
     always_async: bool
+    returns_peer: bool
 
 
 def _position(params: list[str], name: str) -> int:
@@ -73,15 +132,20 @@ def _position(params: list[str], name: str) -> int:
 def _spec(op: str, fn: Callable[..., Any]) -> _Spec:
     params = list(inspect.signature(fn).parameters)
     tensor_name = next((n for n in _TENSOR_PARAMS if n in params), "")
+    tensor_list = not tensor_name
+    if tensor_list:
+        tensor_name = next((n for n in _TENSOR_LIST_PARAMS if n in params), "")
     p2p = op in POINT_TO_POINT
     peer_name = ("dst" if "send" in op else "src") if p2p else ""
     group_peer_name = ("group_dst" if "send" in op else "group_src") if p2p else ""
     return _Spec(
-        op=op, group_pos=_position(params, "group"), async_pos=_position(params, "async_op"),
+        op=OP_NAMES.get(op, op), group_pos=_position(params, "group"),
+        async_pos=_position(params, "async_op"),
         tensor_pos=_position(params, tensor_name), tensor_name=tensor_name,
+        tensor_list=tensor_list and bool(tensor_name),
         peer_pos=_position(params, peer_name), peer_name=peer_name,
         group_peer_pos=_position(params, group_peer_name), group_peer_name=group_peer_name,
-        p2p=p2p, always_async=op in _ALWAYS_ASYNC,
+        p2p=p2p, always_async=op in _ALWAYS_ASYNC, returns_peer=op in _RETURNS_PEER,
     )
 
 
@@ -94,10 +158,14 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> 
 
 
 class _Groups:
-    """Names of process groups, cached; the cache is cleared when groups are destroyed."""
+    """Names of process groups, cached; the cache is cleared when groups are destroyed.
 
-    def __init__(self, c10d: Any) -> None:
+    `first_seen` is called with a group (never the default one) the first time its name is
+    looked up after creation or a clear."""
+
+    def __init__(self, c10d: Any, first_seen: Callable[[Any], None] = lambda pg: None) -> None:
         self.c10d = c10d
+        self.first_seen = first_seen
         self.default: tuple[Any, str] | None = None
         self.by_id: dict[int, tuple[Any, str]] = {}
         self.dtypes: dict[Any, str] = {}
@@ -116,6 +184,7 @@ class _Groups:
         if hit is None or hit[0] is not group:
             hit = (group, str(group.group_name))
             self.by_id[id(group)] = hit
+            self.first_seen(group)
         return hit[1]
 
     def dtype(self, tensor: Any) -> str:
@@ -133,31 +202,57 @@ class _Installer:
         self.recorder = recorder
         self.dist = dist
         self.c10d = dist.distributed_c10d
-        self.groups = _Groups(self.c10d)
+        self.groups = _Groups(self.c10d, self.first_seen)
         self.on_group = on_group
-        self.pairs: set[str] = set()
+        self.pairs: dict[tuple[str, int], str] = {}
+        self.announced: set[str] = set()
+        self.illegal_work: Any = getattr(self.c10d, "_IllegalWork", None)
+        # torch._C: torch.distributed is imported while torch itself is still initializing
+        self.future_type: Any = importlib.import_module("torch._C").Future
 
     # -- collective wrappers ----------------------------------------------------------------------
 
     def begin(
         self, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Token | None, bool]:
-        group = _arg(args, kwargs, spec.group_pos, "group")
-        if group is not None and group is self.c10d.GroupMember.NON_GROUP_MEMBER:
+        # the hot path: arguments read inline (no helper calls), one C call for the size
+        n = len(args)
+        pos = spec.group_pos
+        group = kwargs["group"] if "group" in kwargs else (args[pos] if 0 <= pos < n else None)
+        if group is None:
+            default = self.groups.default
+            name = default[1] if default is not None else self.groups.name(None)
+        elif group is self.c10d.GroupMember.NON_GROUP_MEMBER:
             return None, False
-        is_async = spec.always_async or bool(_arg(args, kwargs, spec.async_pos, "async_op"))
-        name = self.groups.name(group)
+        else:
+            name = self.groups.name(group)
+        pos = spec.async_pos
+        is_async = spec.always_async or bool(
+            kwargs["async_op"] if "async_op" in kwargs else (args[pos] if 0 <= pos < n else False)
+        )
         nbytes, dtype = 0, ""
-        if spec.tensor_pos >= 0:
-            tensor = _arg(args, kwargs, spec.tensor_pos, spec.tensor_name)
+        pos = spec.tensor_pos
+        if pos >= 0:
+            key = spec.tensor_name
+            tensor = kwargs[key] if key in kwargs else (args[pos] if pos < n else None)
             if tensor is not None:
-                nbytes = tensor.numel() * tensor.element_size()
-                dtype = self.groups.dtype(tensor)
+                if spec.tensor_list:
+                    nbytes, dtype = self.list_size(tensor)
+                else:
+                    nbytes = tensor.nbytes
+                    dtype = self.groups.dtype(tensor)
         peer = -1
         if spec.p2p:
             peer = self.peer(spec, group, args, kwargs)
             name = self.pair(name, peer)
         return self.recorder.begin(name, spec.op, nbytes, dtype, peer), is_async
+
+    def list_size(self, tensors: Any) -> tuple[int, str]:
+        """(bytes, dtype) of a list of tensors (or of one tensor, which torch accepts too)."""
+        if hasattr(tensors, "element_size"):
+            return tensors.numel() * tensors.element_size(), self.groups.dtype(tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return nbytes, (self.groups.dtype(tensors[0]) if len(tensors) else "")
 
     def peer(self, spec: _Spec, group: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         peer = _arg(args, kwargs, spec.peer_pos, spec.peer_name)
@@ -170,6 +265,9 @@ class _Installer:
         return -1
 
     def pair(self, group_name: str, peer: int) -> str:
+        name = self.pairs.get((group_name, peer))
+        if name is not None:
+            return name
         me = self.recorder.rank
         if peer < 0:
             name = f"{group_name}:p2p:any"
@@ -178,25 +276,36 @@ class _Installer:
             low, high = min(me, peer), max(me, peer)
             name = f"{group_name}:p2p:{low}-{high}"
             ranks = (low, high)
-        if name not in self.pairs:
-            self.pairs.add(name)
+        self.pairs[(group_name, peer)] = name
+        if name not in self.announced:
+            self.announced.add(name)
             self.recorder.group_created(name, ranks, "p2p")
         return name
 
     def finish(self, spec: _Spec, token: Token, is_async: bool, result: Any) -> None:
         recorder = self.recorder
         if not is_async:
-            peer = result if spec.op == "recv" and isinstance(result, int) else None
+            peer = result if spec.returns_peer and isinstance(result, int) else None
             recorder.end(token, True, peer=peer)
             return
-        if result is None:
+        self.finish_work(spec.op, token, result, ordered=not spec.p2p)
+
+    def finish_work(self, op: str, token: Token, result: Any, *, ordered: bool) -> None:
+        """End `token` when the async `result` (a Work, a Future or nothing) completes
+        (`ordered`: a collective's, see `Recorder.poll_later`)."""
+        recorder = self.recorder
+        if result is None or type(result) is self.illegal_work:
+            # nothing to wait for; an _IllegalWork: the op was queued into a coalescing block
             recorder.end(token, True)
             return
-        try:
-            future = result.get_future()
-        except RuntimeError:
-            recorder.poll_later(result, token)
-            return
+        if isinstance(result, self.future_type):
+            future = result  # all_reduce_coalesced / all_gather_coalesced return a Future
+        else:
+            try:
+                future = result.get_future()
+            except RuntimeError:
+                recorder.poll_later(result, token, ordered=ordered)
+                return
 
         def completed(fut: Any) -> None:
             ok = True
@@ -207,7 +316,7 @@ class _Installer:
             try:
                 recorder.end(token, ok)
             except Exception as exc:
-                recorder.note_error(spec.op, exc)
+                recorder.note_error(op, exc)
 
         future.then(completed)
 
@@ -248,16 +357,106 @@ class _Installer:
         setattr(wrapper, _WRAPPED, original)
         return wrapper
 
+    # -- batch_isend_irecv ----------------------------------------------------------------------
+
+    def begin_batch(self, ops: Any) -> list[Token | None]:
+        """Begin the ops of a batch (P2POps) in the canonical order; their tokens in list order."""
+        me = self.recorder.rank
+        keyed: list[tuple[str, int, int, Any]] = []
+        for index, p2p in enumerate(ops):
+            group = p2p.group
+            peer = int(p2p.peer)
+            is_send = "send" in getattr(p2p.op, "__name__", "")
+            pair = self.pair(self.groups.name(group), peer)
+            # lower rank -> higher rank transfers first, then the others
+            upward = (me < peer) if is_send else (peer < me)
+            keyed.append((pair, 0 if upward else 1, index, p2p))
+        tokens: list[Token | None] = [None] * len(keyed)
+        groups = self.groups
+        for pair, _, index, p2p in sorted(keyed, key=lambda k: (k[0], k[1], k[2])):
+            tensor = p2p.tensor
+            op = "isend" if "send" in getattr(p2p.op, "__name__", "") else "irecv"
+            tokens[index] = self.recorder.begin(
+                pair, op, tensor.numel() * tensor.element_size(), groups.dtype(tensor),
+                int(p2p.peer),
+            )
+        return tokens
+
+    def finish_batch(self, tokens: list[Token | None], works: Any) -> None:
+        """Tie each op's token to its work: one per op, or the one work of a coalesced batch."""
+        recorder = self.recorder
+        works = list(works or ())
+        for index, token in enumerate(tokens):
+            if token is None:
+                continue
+            if len(works) == len(tokens):
+                self.finish_work("batch_isend_irecv", token, works[index], ordered=False)
+            elif len(works) == 1:
+                self.finish_work("batch_isend_irecv", token, works[0], ordered=False)
+            else:
+                recorder.end(token, True)
+
+    def wrap_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self.recorder
+        local = _local
+
+        @functools.wraps(original)
+        def batch_isend_irecv(*args: Any, **kwargs: Any) -> Any:
+            if local.depth:
+                return original(*args, **kwargs)
+            tokens: list[Token | None] = []
+            try:
+                ops = args[0] if args else kwargs.get("p2p_op_list")
+                tokens = self.begin_batch(ops)
+            except Exception as exc:
+                recorder.note_error("batch_isend_irecv", exc)
+            local.depth += 1
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                local.depth -= 1
+                for token in tokens:
+                    if token is not None:
+                        try:
+                            recorder.end(token, False)
+                        except Exception as exc:
+                            recorder.note_error("batch_isend_irecv", exc)
+                raise
+            local.depth -= 1
+            if tokens:
+                try:
+                    self.finish_batch(tokens, result)
+                except Exception as exc:
+                    recorder.note_error("batch_isend_irecv", exc)
+            return result
+
+        setattr(batch_isend_irecv, _WRAPPED, original)
+        return batch_isend_irecv
+
     # -- process groups -----------------------------------------------------------------------
 
     def announce(self, pg: Any) -> None:
+        """Record the group's global ranks, once per group name."""
+        name = str(pg.group_name)
+        if name in self.announced:
+            return
         dist = self.dist
         ranks = tuple(int(r) for r in dist.get_process_group_ranks(pg))
         try:
             backend = str(dist.get_backend(pg))
         except Exception:
             backend = ""
-        self.recorder.group_created(str(pg.group_name), ranks, backend)
+        self.announced.add(name)
+        self.recorder.group_created(name, ranks, backend)
+
+    def first_seen(self, pg: Any) -> None:
+        """A group used for the first time: announce it unless it already was (never raises:
+        the call that uses the group is recorded either way)."""
+        try:
+            if str(pg.group_name) not in self.announced:
+                self.announce(pg)
+        except Exception as exc:
+            self.recorder.note_error("announce group", exc)
 
     def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -265,6 +464,8 @@ class _Installer:
             result = original(*args, **kwargs)
             try:
                 self.groups.clear()
+                self.announced.clear()
+                self.pairs.clear()
                 self.recorder.set_rank(int(self.dist.get_rank()))
                 self.announce(self.c10d._get_default_group())
                 self.on_group()
@@ -275,25 +476,36 @@ class _Installer:
         setattr(init_process_group, _WRAPPED, original)
         return init_process_group
 
-    def wrap_new_group(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap_factory(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap a function that creates a process group: announce the group it returns."""
+
         @functools.wraps(original)
-        def new_group(*args: Any, **kwargs: Any) -> Any:
+        def factory(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
             try:
-                if result is not None and result is not self.c10d.GroupMember.NON_GROUP_MEMBER:
+                if isinstance(result, self.c10d.ProcessGroup) and (
+                    result is not self.c10d.GroupMember.NON_GROUP_MEMBER
+                ):
                     self.announce(result)
             except Exception as exc:
-                self.recorder.note_error("new_group", exc)
+                self.recorder.note_error(name, exc)
             return result
 
-        setattr(new_group, _WRAPPED, original)
-        return new_group
+        setattr(factory, _WRAPPED, original)
+        return factory
+
+    def wrap_new_group(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return self.wrap_factory("new_group", original)
 
     def wrap_destroy(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
             try:
                 self.groups.clear()
+                if not args and kwargs.get("group") is None:
+                    # every group goes: a later init may reuse their names
+                    self.announced.clear()
+                    self.pairs.clear()
             except Exception as exc:
                 self.recorder.note_error("destroy_process_group", exc)
             return original(*args, **kwargs)
@@ -303,12 +515,14 @@ class _Installer:
 
 
 def _patch(modules: tuple[Any, ...], name: str, make: Callable[[Any], Any]) -> bool:
+    """Replace `name` of the last module (torch's c10d) with `make(original)`, and of every other
+    module that holds the same original; False when absent or already wrapped."""
     current = getattr(modules[-1], name, None)
     if current is None or hasattr(current, _WRAPPED):
         return False
     wrapper = make(current)
     for module in modules:
-        if getattr(module, name, None) in (current, None) or module is modules[-1]:
+        if module is modules[-1] or getattr(module, name, None) is current:
             setattr(module, name, wrapper)
     return True
 
@@ -326,12 +540,16 @@ def install_distributed(recorder: Recorder, on_group: Callable[[], None] = lambd
     if not dist.is_available():
         return 0
     installer = _Installer(recorder, dist, on_group)
-    modules = (dist, dist.distributed_c10d)
+    # device_mesh binds new_group / split_group at its import, inside torch.distributed's own
+    mesh = sys.modules.get("torch.distributed.device_mesh")
+    modules = (dist, *([mesh] if mesh is not None else []), dist.distributed_c10d)
     count = 0
     for op in COLLECTIVES + POINT_TO_POINT:
         count += _patch(modules, op, functools.partial(_wrap_op, installer, op))
+    count += _patch(modules, "batch_isend_irecv", installer.wrap_batch)
     count += _patch(modules, "init_process_group", installer.wrap_init)
-    count += _patch(modules, "new_group", installer.wrap_new_group)
+    for factory in GROUP_FACTORIES:
+        count += _patch(modules, factory, functools.partial(installer.wrap_factory, factory))
     count += _patch(modules, "destroy_process_group", installer.wrap_destroy)
     if dist.is_initialized():
         try:

@@ -4,7 +4,10 @@ One Recorder lives in each training process (created by `tracehound.agent.autoin
 tell it when a collective starts and ends, when a process group is created and when the optimizer
 stepped; it keeps the per-group progress, queues records for the node agent and sends a heartbeat
 every few hundred milliseconds from a daemon thread, so heartbeats keep coming while the main
-thread is blocked inside a collective.
+thread is blocked inside a collective. While a call has been in flight for longer than
+`inflight_s`, that thread sends them every `inflight_heartbeat_s` (100 ms) instead, so the pending
+op and oldest sequence id of each group are seen at that resolution while something is stuck; it
+goes back to the normal interval once nothing is pending that long.
 
 It must never raise into the training process and never block it: every entry point swallows and
 counts its own errors, queueing never waits (a full queue drops and counts), and the only waits
@@ -35,6 +38,7 @@ from tracehound.tracing.events import (
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.settings import (
     DEFAULT_HEARTBEAT_S,
+    DEFAULT_INFLIGHT_S,
     DEFAULT_JOB_ID,
     TRACEHOUND_ATTEMPT,
     TRACEHOUND_JOB_ID,
@@ -59,6 +63,12 @@ Pending = Record | RawCollective
 _MAX_LOGGED_ERRORS = 5
 _MAX_IN_FLIGHT = 4096
 """Calls in flight per group the recorder remembers (for the oldest one's op and size)."""
+
+_MAX_POLLED = 4096
+"""Async works watched by polling at once; past it a work's call is ended when handed over."""
+
+INFLIGHT_HEARTBEAT_S = 0.1
+"""Heartbeat interval while a call has been in flight for longer than `inflight_s`."""
 
 
 def materialize(item: Pending) -> Record:
@@ -103,9 +113,9 @@ class _Group:
         self.pending_dtype = ""
         self.last_enqueue_us = 0
         self.last_complete_us = 0
-        # calls entered and not yet ended: seq -> (op, nbytes, dtype). Bounded: past the cap
-        # newer calls are not added, so the oldest (what a heartbeat reports) stays right.
-        self.in_flight: dict[int, tuple[str, int, str]] = {}
+        # calls entered and not yet ended: seq -> (op, nbytes, dtype, enqueue_us). Bounded: past
+        # the cap newer calls are not added, so the oldest (what a heartbeat reports) stays right.
+        self.in_flight: dict[int, tuple[str, int, str, int]] = {}
 
     def oldest(self) -> tuple[int, str, int, str]:
         """The oldest call in flight after the last completed one, when more than one is:
@@ -115,7 +125,21 @@ class _Group:
         if len(later) < 2:
             return (0, "", 0, "")
         seq = min(later)
-        return (seq, *self.in_flight[seq])
+        op, nbytes, dtype, _ = self.in_flight[seq]
+        return (seq, op, nbytes, dtype)
+
+    def pending_since(self) -> int:
+        """When the oldest call in flight after the last completed one was entered (us); 0 when
+        no call is pending."""
+        if self.last_completed >= self.last_enqueued:
+            return 0
+        done = self.last_completed
+        since = 0
+        for seq, entry in self.in_flight.items():
+            if seq > done and (not since or entry[3] < since):
+                since = entry[3]
+        # past the in-flight cap a pending call may be missing from the dict
+        return since or self.last_enqueue_us
 
 
 Token = tuple[_Group, int, str, int, str, int, int]
@@ -135,6 +159,8 @@ class Recorder:
         sink: RecordSink,
         clock: Clock = now_us,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        inflight_s: float = DEFAULT_INFLIGHT_S,
+        inflight_heartbeat_s: float = INFLIGHT_HEARTBEAT_S,
         pid: int | None = None,
     ) -> None:
         self.job = job
@@ -144,6 +170,9 @@ class Recorder:
         self.sink = sink
         self.clock = clock
         self.heartbeat_s = heartbeat_s
+        self.inflight_s = inflight_s
+        """A call pending longer than this switches heartbeats to `inflight_heartbeat_s`."""
+        self.inflight_heartbeat_s = min(inflight_heartbeat_s, heartbeat_s)
         self.pid = os.getpid() if pid is None else pid
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
@@ -158,8 +187,9 @@ class Recorder:
         self._steps_paused = False
         self._step_us = 0
         self._first_step_us = 0
-        # Async work whose completion can only be seen by polling (gloo send/recv).
-        self._polled: list[tuple[Any, Token]] = []
+        # Async work whose completion can only be seen by polling (gloo send/recv): (work, token,
+        # ordered), see poll_later.
+        self._polled: list[tuple[Any, Token, bool]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -211,11 +241,13 @@ class Recorder:
             group.pending_nbytes = nbytes
             group.pending_dtype = dtype
             group.last_enqueue_us = now
-            if len(group.in_flight) >= _MAX_IN_FLIGHT:
+            in_flight = group.in_flight
+            if len(in_flight) >= _MAX_IN_FLIGHT:
                 done = group.last_completed  # forget calls that never ended
-                group.in_flight = {k: v for k, v in group.in_flight.items() if k > done}
-            if len(group.in_flight) < _MAX_IN_FLIGHT:
-                group.in_flight[seq] = (op, nbytes, dtype)
+                in_flight = group.in_flight = {k: v for k, v in in_flight.items() if k > done}
+                if len(in_flight) >= _MAX_IN_FLIGHT:
+                    return (group, seq, op, nbytes, dtype, peer, now)
+            in_flight[seq] = (op, nbytes, dtype, now)
         return (group, seq, op, nbytes, dtype, peer, now)
 
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
@@ -236,10 +268,19 @@ class Recorder:
             token_peer if peer is None else peer, not ok, enqueued, now,
         ))
 
-    def poll_later(self, work: Any, token: Token) -> None:
-        """Watch an async work without a future (gloo send/recv) from the heartbeat thread."""
+    def poll_later(self, work: Any, token: Token, *, ordered: bool = False) -> None:
+        """Watch an async work without a future (gloo send/recv) from the heartbeat thread.
+
+        `ordered`: the work is a collective's, so it is taken as completed once a later call of
+        its group has completed on this rank. Gloo's reduce_scatter works never report their
+        completion (`is_completed()` stays False after `wait()`); without this their calls
+        would never end."""
         with self._lock:
-            self._polled.append((work, token))
+            kept = len(self._polled) < _MAX_POLLED
+            if kept:
+                self._polled.append((work, token, ordered))
+        if not kept:
+            self.end(token, True)
         self._wake.set()
 
     def poll(self) -> None:
@@ -248,15 +289,17 @@ class Recorder:
             return
         with self._lock:
             polled, self._polled = self._polled, []
-        still: list[tuple[Any, Token]] = []
-        for work, token in polled:
+        still: list[tuple[Any, Token, bool]] = []
+        for work, token, ordered in polled:
             try:
                 done = bool(work.is_completed())
             except Exception as exc:
                 self.note_error("work.is_completed", exc)
                 continue
+            if not done and ordered:
+                done = token[0].last_completed > token[1]
             if not done:
-                still.append((work, token))
+                still.append((work, token, ordered))
                 continue
             ok = True
             try:
@@ -334,6 +377,25 @@ class Recorder:
             oldest_dtype=oldest_dtype,
         )
 
+    def pending_since(self) -> int:
+        """When the oldest call still pending in any group was entered (us); 0 when none is.
+        Called from the heartbeat thread; holds the lock only for a scan of the groups."""
+        since = 0
+        with self._lock:
+            for g in self._groups.values():
+                t = g.pending_since()
+                if t and (not since or t < since):
+                    since = t
+        return since
+
+    def heartbeat_interval_s(self, now_us: int, since_us: int | None = None) -> float:
+        """The heartbeat interval now: `inflight_heartbeat_s` while a call has been pending for
+        `inflight_s` or longer, else `heartbeat_s` (`since_us`: `pending_since()`, if known)."""
+        since = self.pending_since() if since_us is None else since_us
+        if since and now_us - since >= self.inflight_s * 1e6:
+            return self.inflight_heartbeat_s
+        return self.heartbeat_s
+
     def heartbeat_record(self) -> Heartbeat:
         with self._lock:
             groups = tuple(self._progress(g) for g in self._groups.values())
@@ -365,17 +427,24 @@ class Recorder:
         return self._thread is not None
 
     def _run(self) -> None:
-        next_beat = 0.0
-        interval_us = self.heartbeat_s * 1e6
+        last_beat = 0
         while not self._stop.is_set():
+            wait = self.heartbeat_s
             try:
                 self.poll()
-                if self.clock() >= next_beat:
+                now = self.clock()
+                since = self.pending_since()
+                if now - last_beat >= self.heartbeat_interval_s(now, since) * 1e6:
                     self.heartbeat()
-                    next_beat = self.clock() + interval_us
+                    last_beat = self.clock()
+                if since:
+                    # wake at the fast rate while anything is pending: to see it pass
+                    # `inflight_s`, and to beat at that rate from then on
+                    wait = self.inflight_heartbeat_s
             except Exception as exc:
                 self.note_error("heartbeat thread", exc)
-            wait = min(self.heartbeat_s, 0.02) if self._polled else self.heartbeat_s
+            if self._polled:
+                wait = min(wait, 0.02)
             self._wake.wait(wait)
             self._wake.clear()
 

@@ -43,6 +43,15 @@ after several missed ones (`DetectionSettings.heartbeat_timeout_s`)."""
 MIN_HEARTBEAT_S = 0.01
 """Keeps a mistyped value from flooding the node agent with heartbeats."""
 
+TRACEHOUND_INFLIGHT_S = "TRACEHOUND_INFLIGHT_S"
+"""Seconds a collective or point-to-point call may be in flight before its rank sends heartbeats
+every 100 ms instead of every TRACEHOUND_HEARTBEAT_S, until nothing is pending that long (default
+DEFAULT_INFLIGHT_S, at least 0)."""
+
+DEFAULT_INFLIGHT_S = 1.0
+"""Longer than the calls of a healthy step usually take, so fast heartbeats mean something is
+stuck or slow; they show its pending op and oldest sequence id at 100 ms resolution."""
+
 TRACEHOUND_BUFFER_RECORDS = "TRACEHOUND_BUFFER_RECORDS"
 """Records a rank buffers for its node agent before it drops (and counts) new ones (default
 DEFAULT_BUFFER_RECORDS, at least MIN_BUFFER_RECORDS)."""
@@ -64,6 +73,43 @@ the process that owns an embedded store. The node agent's --sink, when that is n
 TRACEHOUND_SPOOL_DIR = "TRACEHOUND_SPOOL_DIR"
 """Directory where a node agent keeps records until the store has them. The node agent's
 --spool, when that is not given."""
+
+TRACEHOUND_GPU = "TRACEHOUND_GPU"
+"""GPU health backend of a node agent: auto (NVML when it works, else none), nvml, sim (simulated
+GPUs, for machines without any and for fault injection) or off. The node agent's --gpu."""
+
+DEFAULT_GPU = "auto"
+
+GPU_BACKENDS = ("auto", "nvml", "sim", "off")
+
+TRACEHOUND_HEALTH_INTERVAL_S = "TRACEHOUND_HEALTH_INTERVAL_S"
+"""Seconds between a node agent's GPU and host health samples (0: off). The node agent's
+--health-interval."""
+
+DEFAULT_HEALTH_INTERVAL_S = 10.0
+"""Health events (Xids, links down) are found at this pace; a detection window (10 s) sees at
+least one reading of every gauge."""
+
+TRACEHOUND_SIM_GPUS = "TRACEHOUND_SIM_GPUS"
+"""Number of simulated GPUs per node when TRACEHOUND_GPU=sim (default DEFAULT_SIM_GPUS)."""
+
+DEFAULT_SIM_GPUS = 8
+
+TRACEHOUND_SIM_GPU_FAULTS = "TRACEHOUND_SIM_GPU_FAULTS"
+"""File of JSON lines, one injected fault each, that simulated GPUs read as it grows (see
+tracehound.agent.gpu). Unset: no injected faults."""
+
+TRACEHOUND_NCCL_RAS = "TRACEHOUND_NCCL_RAS"
+"""Whether a node agent polls NCCL RAS on its local port (NCCL_RAS_ADDR, default
+localhost:28028): on, off, or auto (default: on when the node's GPUs are read through NVML).
+The node agent's --nccl-ras."""
+
+NCCL_RAS_MODES = ("auto", "on", "off")
+
+TRACEHOUND_NCCL_INSPECTOR_DIR = "TRACEHOUND_NCCL_INSPECTOR_DIR"
+"""Directory of NCCL Inspector's JSON lines that a node agent tails (default: the job's
+NCCL_INSPECTOR_DUMP_DIR when the agent sees it; unset: not read). The node agent's
+--nccl-inspector-dir."""
 
 TRACEHOUND_CHECKPOINT_DIR = "TRACEHOUND_CHECKPOINT_DIR"
 """Directory of the job's checkpoints, shared by all attempts (set by `tracehound run`)."""
@@ -117,6 +163,19 @@ def env_str(name: str, default: str = "", *, env: Mapping[str, str] | None = Non
     """The text of variable `name` of `env` (default: the process environment), `default` when
     it is unset or empty."""
     return (os.environ if env is None else env).get(name, "") or default
+
+
+def env_choice(
+    name: str, default: str, choices: tuple[str, ...], *, env: Mapping[str, str] | None = None
+) -> str:
+    """The value of variable `name` of `env` (default: the process environment), one of
+    `choices`; `default` when unset or empty; SettingError naming the choices otherwise."""
+    raw = (os.environ if env is None else env).get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in choices:
+        raise SettingError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return raw
 
 
 def env_flag(name: str, *, env: Mapping[str, str] | None = None) -> bool:

@@ -1,0 +1,271 @@
+"""A gloo training-job stand-in for the recorder coverage tests: one scenario per collective path.
+
+Launched once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and the
+recorder auto-installed (the tests put tracehound's bootstrap on PYTHONPATH). It knows nothing of
+Tracehound: it runs the torch.distributed calls of its scenario and prints what the tests compare
+the records with, as `fact <json>` lines.
+
+    python coverage_job.py {ddp,fsdp2,pipeline,subgroups,alltoall,objects,async,inflight}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def fact(**values: Any) -> None:
+    print("fact " + json.dumps(values), flush=True)
+
+
+def ddp(rank: int, world: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+
+
+def fsdp2(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+
+
+def _batch(ops: list[dist.P2POp]) -> None:
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def pipeline(rank: int, world: int) -> None:
+    """A 1F1B pipeline over `world` stages, Megatron-style: every exchange is one
+    batch_isend_irecv, sends listed before receives on both ends (so the two ends of a pair list
+    their transfers in opposite directions first). The stages are the ranks of a pipeline group
+    in reverse order (stage s is global rank world-1-s), the peers given as group ranks through
+    P2POp's group_peer, so the records must carry the global ranks they map to."""
+    pp = dist.new_group(list(reversed(range(world))), sort_ranks=False)
+    stage = dist.get_rank(pp)
+    fact(kind="stage", stage=stage, ranks=dist.get_process_group_ranks(pp))
+    prev, nxt = stage - 1, stage + 1
+    act, grad = 6, 3  # floats per activation and per gradient
+    micro = 3
+    warmup = min(world - stage - 1, micro)
+
+    def recv_forward() -> None:
+        if prev >= 0:
+            _batch([dist.P2POp(dist.irecv, torch.empty(act), group=pp, group_peer=prev)])
+
+    def send_forward() -> None:
+        if nxt < world:
+            _batch([dist.P2POp(dist.isend, torch.ones(act), group=pp, group_peer=nxt)])
+
+    def send_forward_recv_backward() -> None:
+        if nxt < world:
+            _batch([dist.P2POp(dist.isend, torch.ones(act), group=pp, group_peer=nxt),
+                    dist.P2POp(dist.irecv, torch.empty(grad), group=pp, group_peer=nxt)])
+
+    def send_backward_recv_forward() -> None:
+        if prev >= 0:
+            _batch([dist.P2POp(dist.isend, torch.ones(grad), group=pp, group_peer=prev),
+                    dist.P2POp(dist.irecv, torch.empty(act), group=pp, group_peer=prev)])
+
+    def send_backward() -> None:
+        if prev >= 0:
+            _batch([dist.P2POp(dist.isend, torch.ones(grad), group=pp, group_peer=prev)])
+
+    def recv_backward() -> None:
+        if nxt < world:
+            _batch([dist.P2POp(dist.irecv, torch.empty(grad), group=pp, group_peer=nxt)])
+
+    for _ in range(warmup):
+        recv_forward()
+        send_forward()
+    if micro > warmup:
+        recv_forward()
+    for i in range(micro - warmup):
+        send_forward_recv_backward()
+        if i == micro - warmup - 1:
+            send_backward()
+        else:
+            send_backward_recv_forward()
+    for _ in range(warmup):
+        recv_backward()
+        send_backward()
+    # a ring exchange: every rank lists its send first
+    ring = [dist.P2POp(dist.isend, torch.ones(2), (rank + 1) % world),
+            dist.P2POp(dist.irecv, torch.empty(2), (rank - 1) % world)]
+    _batch(ring)
+    dist.barrier()
+
+
+def subgroups(rank: int, world: int) -> None:
+    """Groups of every kind: new_group (two groups of two out of four), new_subgroups,
+    new_subgroups_by_enumeration and a 2x2 DeviceMesh; a collective on each, and a send inside
+    a sub-group addressed by group rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    low = dist.new_group([0, 1])
+    high = dist.new_group([2, 3])
+    mine = low if rank < 2 else high
+    unused = dist.new_group([1, 2])  # never used: announced at creation all the same
+    if rank in (1, 2):
+        fact(kind="unused", name=unused.group_name, ranks=dist.get_process_group_ranks(unused))
+    fact(kind="new_group", name=mine.group_name, ranks=dist.get_process_group_ranks(mine))
+    dist.all_reduce(torch.ones(4), group=mine)
+    dist.broadcast(torch.ones(2), group=mine, group_src=0)
+    pairs, _ = dist.new_subgroups(group_size=2)
+    fact(kind="new_subgroups", name=pairs.group_name, ranks=dist.get_process_group_ranks(pairs))
+    dist.all_reduce(torch.ones(3), group=pairs)
+    odd_even, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    fact(kind="by_enumeration", name=odd_even.group_name,
+         ranks=dist.get_process_group_ranks(odd_even))
+    dist.all_gather(
+        [torch.empty(2) for _ in range(2)], torch.ones(2), group=odd_even
+    )
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for dim in ("dp", "tp"):
+        group = mesh.get_group(dim)
+        fact(kind=f"mesh_{dim}", name=group.group_name,
+             ranks=dist.get_process_group_ranks(group))
+        dist.all_reduce(torch.ones(5), group=group)
+    # point-to-point inside a sub-group, the peer given as a group rank
+    if rank in (2, 3):
+        peer = 1 - dist.get_rank(high)
+        if rank == 2:
+            dist.send(torch.ones(7), group=high, group_dst=peer)
+        else:
+            dist.recv(torch.empty(7), group=high, group_src=peer)
+    dist.barrier()
+
+
+def alltoall(rank: int, world: int) -> None:
+    """all_to_all_single whose members send different amounts, and all_to_all."""
+    width = 3  # floats per row
+    send_rows = [rank + peer + 1 for peer in range(world)]  # rank r sends 3r + 6 rows
+    recv_rows = [peer + rank + 1 for peer in range(world)]
+    inp = torch.full((sum(send_rows), width), float(rank))
+    out = torch.empty(sum(recv_rows), width)
+    dist.all_to_all_single(out, inp, output_split_sizes=recv_rows, input_split_sizes=send_rows)
+    fact(kind="all_to_all_single", nbytes=sum(send_rows) * width * 4)
+    # equal splits, no split sizes
+    even_in = torch.full((world * 2,), float(rank))
+    dist.all_to_all_single(torch.empty(world * 2), even_in)
+    fact(kind="all_to_all_single_even", nbytes=world * 2 * 4)
+    # gloo's list all_to_all takes tensors of one size only
+    inputs = [torch.full((2,), float(rank), dtype=torch.float64) for _ in range(world)]
+    outputs = [torch.empty(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_to_all(outputs, inputs)
+    fact(kind="all_to_all", nbytes=world * 2 * 8)
+    dist.barrier()
+
+
+def objects(rank: int, world: int) -> None:
+    """Every object collective, between tensor collectives whose ids must stay aligned."""
+    dist.all_reduce(torch.ones(1))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "pad": "x" * rank * 100})
+    dist.all_reduce(torch.ones(1))
+    dist.gather_object({"rank": rank}, [None] * world if rank == 0 else None, dst=0)
+    listed: list[Any] = [{"from": 0}, [1, 2, 3]] if rank == 0 else [None, None]
+    dist.broadcast_object_list(listed, src=0)
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, [f"to-{r}" for r in range(world)] if rank == 1 else None,
+                             src=1)
+    if rank == 0:
+        dist.send_object_list([{"a": 1}, "b"], dst=1)
+    elif rank == 1:
+        objs: list[Any] = [None, None]
+        dist.recv_object_list(objs, src=0)
+    dist.all_reduce(torch.ones(1))
+    fact(kind="objects", gathered=[g["rank"] for g in gathered], listed=listed, out=out[0])
+
+
+def async_ops(rank: int, world: int) -> None:
+    """Every collective with async_op=True, waited afterwards. Rank 1 enters the first one late,
+    so its completion on rank 0 is only known from the work's future."""
+    if rank == 1:
+        time.sleep(0.5)
+        fact(kind="late_enter_us", t=time.time_ns() // 1000)
+    works = [dist.all_reduce(torch.ones(4), async_op=True)]
+    fact(kind="issued_us", t=time.time_ns() // 1000)
+    works.append(dist.broadcast(torch.ones(4), src=0, async_op=True))
+    works.append(dist.all_gather([torch.empty(2) for _ in range(world)], torch.ones(2),
+                                 async_op=True))
+    works.append(dist.all_gather_into_tensor(torch.empty(2 * world), torch.ones(2),
+                                             async_op=True))
+    works.append(dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world),
+                                            async_op=True))
+    works.append(dist.all_to_all_single(torch.empty(world), torch.ones(world), async_op=True))
+    works.append(dist.reduce(torch.ones(3), dst=0, async_op=True))
+    works.append(dist.barrier(async_op=True))
+    for work in works:
+        work.wait()
+    future = dist.all_reduce_coalesced([torch.ones(2), torch.ones(3)], async_op=True)
+    future.wait()
+    # outside a batch, the two ends of a pair issue their transfers in the same order
+    peer = 1 - rank
+    send, recv = torch.ones(5), torch.empty(5)
+    if rank == 0:
+        p2p = [dist.isend(send, peer), dist.irecv(recv, peer)]
+    else:
+        p2p = [dist.irecv(recv, peer), dist.isend(send, peer)]
+    for work in p2p:
+        work.wait()
+    dist.barrier()
+
+
+def inflight(rank: int, world: int) -> None:
+    """Rank 0 waits about 3 s in an all_reduce that rank 1 enters late; then both idle 3 s with
+    nothing pending."""
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3.0)
+    fact(kind="enter_us", t=time.time_ns() // 1000)
+    dist.all_reduce(torch.ones(1))
+    fact(kind="left_us", t=time.time_ns() // 1000)
+    time.sleep(3.0)
+    fact(kind="idle_end_us", t=time.time_ns() // 1000)
+    dist.barrier()
+
+
+SCENARIOS = {
+    "ddp": ddp, "fsdp2": fsdp2, "pipeline": pipeline, "subgroups": subgroups,
+    "alltoall": alltoall, "objects": objects, "async": async_ops, "inflight": inflight,
+}
+
+
+def main() -> int:
+    scenario = SCENARIOS[sys.argv[1]]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        scenario(rank, world)
+    finally:
+        dist.destroy_process_group()
+    print(f"rank {rank}: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""The recorder covers every collective path of real training jobs: real gloo jobs
+(coverage_job.py, 2-4 ranks) with the recorder auto-installed, one per path. Each checks the
+groups the ranks announced (ProcessGroupInfo) and that every member recorded the same sequence
+ids with the same op in each group, which is what the analysis relies on: the same (group, seq)
+is the same call on every member (for a point-to-point pair: one transfer, its send and its
+receive)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from coverage_harness import assert_same_calls, assert_transfers, group_ranks, run_scenario
+
+from tracehound.tracing.events import CollectiveEvent
+
+
+def ops_of(calls: list[tuple[int, str]]) -> list[str]:
+    return [op for _, op in calls]
+
+
+def test_ddp_gradient_all_reduces(tmp_path: Path) -> None:
+    run = run_scenario("ddp", 2, tmp_path)
+    calls = assert_same_calls(run)
+    assert group_ranks(run)["0"] == (0, 1)
+    # DDP's gradient buckets go through the trampoline's all_reduce: at least one per step
+    assert ops_of(calls["0"]).count("all_reduce") >= 3
+
+
+def test_fsdp2_all_gathers_and_reduce_scatters(tmp_path: Path) -> None:
+    run = run_scenario("fsdp2", 2, tmp_path)
+    calls = assert_same_calls(run)
+    assert group_ranks(run)["0"] == (0, 1)
+    ops = ops_of(calls["0"])
+    # fully_shard calls all_gather_single / reduce_scatter_single, recorded under the names of
+    # the collectives they alias; 3 FSDP units (two layers and the root), 2 steps
+    assert set(ops) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+    assert ops.count("all_gather_into_tensor") >= 4
+    assert ops.count("reduce_scatter_tensor") >= 2
+    sizes = {(e.rank, e.seq): e.nbytes for e in run.events}
+    assert all(sizes[(0, seq)] == sizes[(1, seq)] > 0 for seq, _ in calls["0"])
+
+
+@pytest.mark.slow
+def test_batch_isend_irecv_pipeline(tmp_path: Path) -> None:
+    world = 4
+    run = run_scenario("pipeline", world, tmp_path)
+    groups = group_ranks(run)
+    pp = next(name for name, ranks in groups.items() if ranks == (3, 2, 1, 0))
+    transfers = assert_transfers(run)
+    # stage s is global rank 3 - s; every boundary carries 3 activations forward (6 floats) and
+    # 3 gradients back (3 floats), recorded between the global ranks
+    for low in range(world - 1):
+        pair = f"{pp}:p2p:{low}-{low + 1}"
+        assert groups[pair] == (low, low + 1)
+        forward = [t for t in transfers[pair] if t == (low + 1, low, 24)]
+        backward = [t for t in transfers[pair] if t == (low, low + 1, 12)]
+        assert len(forward) == 3 and len(backward) == 3, transfers[pair]
+        assert len(transfers[pair]) == 6
+    # the ring exchange on the default group: every rank listed its send first
+    for rank in range(world):
+        low, high = sorted((rank, (rank + 1) % world))
+        assert transfers[f"0:p2p:{low}-{high}"] == [(rank, (rank + 1) % world, 8)]
+    assert ops_of(assert_same_calls(run)["0"]) == ["barrier"]
+
+
+@pytest.mark.slow
+def test_sub_groups_and_their_rank_maps(tmp_path: Path) -> None:
+    run = run_scenario("subgroups", 4, tmp_path)
+    groups = group_ranks(run)
+    calls = assert_same_calls(run)
+    kinds = {
+        "new_group": "all_reduce broadcast", "new_subgroups": "all_reduce",
+        "by_enumeration": "all_gather", "mesh_dp": "all_reduce", "mesh_tp": "all_reduce",
+    }
+    for kind, ops in kinds.items():
+        made = {(f["name"], tuple(f["ranks"])) for facts in run.facts for f in facts
+                if f["kind"] == kind}
+        assert len(made) == 2, (kind, made)  # two groups of two out of four
+        for name, ranks in made:
+            assert groups[name] == ranks
+            assert ops_of(calls[name]) == ops.split()
+    # a group never used is announced at creation, by its members only
+    (unused,) = {(f["name"], tuple(f["ranks"])) for facts in run.facts for f in facts
+                 if f["kind"] == "unused"}
+    assert groups[unused[0]] == (1, 2) and unused[0] not in calls
+    # the send inside the sub-group of ranks 2 and 3, addressed by group rank
+    high = run.fact(2, "new_group")["name"]
+    assert assert_transfers(run) == {f"{high}:p2p:2-3": [(2, 3, 28)]}
+
+
+@pytest.mark.slow
+def test_all_to_all_with_uneven_splits(tmp_path: Path) -> None:
+    world = 3
+    run = run_scenario("alltoall", world, tmp_path)
+    calls = assert_same_calls(run)
+    assert ops_of(calls["0"]) == ["all_to_all_single", "all_to_all_single", "all_to_all",
+                                  "barrier"]
+    sent = {(e.rank, e.seq): e.nbytes for e in run.events}
+    for rank in range(world):
+        assert sent[(rank, 1)] == run.fact(rank, "all_to_all_single")["nbytes"]
+        assert sent[(rank, 2)] == run.fact(rank, "all_to_all_single_even")["nbytes"]
+        assert sent[(rank, 3)] == run.fact(rank, "all_to_all")["nbytes"]
+    # each member sends what it actually sends: 3r + 6 rows of 3 floats
+    assert [sent[(r, 1)] for r in range(world)] == [72, 108, 144]
+
+
+@pytest.mark.slow
+def test_object_collectives_are_one_operation_each(tmp_path: Path) -> None:
+    world = 3
+    run = run_scenario("objects", world, tmp_path)
+    for rank in range(world):
+        got = run.fact(rank, "objects")
+        assert got["gathered"] == [0, 1, 2] and got["out"] == f"to-{rank}"
+    calls = assert_same_calls(run)
+    # the tensor collectives around them keep their ids aligned on every member
+    assert ops_of(calls["0"]) == [
+        "all_reduce", "all_gather_object", "all_reduce", "gather_object",
+        "broadcast_object_list", "scatter_object_list", "all_reduce",
+    ]
+    assert assert_transfers(run) == {"0:p2p:0-1": [(0, 1, 0)]}
+    pair = [e for e in run.events if e.group == "0:p2p:0-1"]
+    assert sorted((e.rank, e.op, e.peer) for e in pair) == [
+        (0, "send_object_list", 1), (1, "recv_object_list", 0)]
+
+
+def test_async_ops_complete_from_their_work(tmp_path: Path) -> None:
+    run = run_scenario("async", 2, tmp_path)
+    calls = assert_same_calls(run)
+    assert ops_of(calls["0"]) == [
+        "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+        "reduce_scatter_tensor", "all_to_all_single", "reduce", "barrier",
+        "all_reduce_coalesced", "barrier",
+    ]
+    assert assert_transfers(run) == {"0:p2p:0-1": [(0, 1, 20), (1, 0, 20)]}
+    # rank 0 issued the first all_reduce and returned before rank 1 entered it: its event
+    # completed when the work did, after rank 1 entered
+    first: CollectiveEvent = next(
+        e for e in run.events if (e.rank, e.group, e.seq) == (0, "0", 1))
+    entered = run.fact(1, "late_enter_us")["t"]
+    assert first.enqueue_us <= run.fact(0, "issued_us")["t"] < entered <= first.complete_us
