@@ -1,9 +1,7 @@
 """The node agent: receives records from the ranks of one node and ships them to the trace store.
 
-    python -m tracehound.agent.node --job J --node N --socket PATH [--spool DIR] [--sink URL]
-                                    [--stats-file FILE] [--stats-interval S] [--drain-s S]
-                                    [--proc-interval S] [--stack-after S] [--stack-repeat S]
-                                    [--py-spy PATH]
+    tracehound agent [--job J] [--node N] [--socket PATH] [--spool DIR] [--sink URL] [...]
+    python -m tracehound.agent.node ...        (the same, as a module)
 
 Ranks connect to the unix socket at PATH and write newline-delimited JSON records
 (`tracing.wire`). Each line is decoded and validated here, once; bad lines are counted and
@@ -14,10 +12,16 @@ a shipper thread sends sealed segments to the sink URL (default $TRACEHOUND_SINK
 ingest endpoint of the process that owns an embedded store. The agent also watches the ranks'
 processes from outside (`agent.procwatch`): a `/proc` sample of each rank every --proc-interval
 seconds (1; 0: off), and a py-spy stack of a rank stuck for --stack-after seconds (2; 0: off),
-repeated every --stack-repeat seconds (30) while it stays stuck; these records go to the spool
-like the ranks' own. SIGTERM/SIGINT: stop accepting, ship what is left for at most --drain-s
-seconds (10), exit 0; whatever could not be shipped stays in DIR for the next agent started on
-it.
+repeated every --stack-repeat seconds (30) while it stays stuck; and it polls the node's health
+sources (`agent.sources`): GPUs through NVML or simulated ones (`agent.gpu`, --gpu) and the host
+(`agent.host`: NIC and InfiniBand links, disk space, memory pressure, load) every
+--health-interval seconds (10; 0: off), and NCCL's own views where asked (`agent.nccl`: RAS
+status, --nccl-ras; Inspector's collective logs, --nccl-inspector-dir). These records go to the spool like the ranks' own.
+SIGTERM/SIGINT: stop accepting, ship what is left for at most --drain-s seconds (10), exit 0;
+whatever could not be shipped stays in DIR for the next agent started on it.
+
+Every option has a TRACEHOUND_* variable (tracing.settings), so a Kubernetes sidecar, a DaemonSet
+or a line in an srun/Ray script starts it with no arguments beyond the job's environment.
 
 The agent must never crash on what a rank sends, and never lose a record it accepted.
 """
@@ -34,13 +38,22 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tracehound.agent.gpu import GpuHealthSource, NvmlUnavailable, open_backend
+from tracehound.agent.host import HostHealthSource
+from tracehound.agent.nccl import (
+    NCCL_INSPECTOR_DUMP_DIR,
+    LocalRanks,
+    NcclInspectorSource,
+    NcclRasSource,
+)
 from tracehound.agent.procwatch import Emit, ProcWatcher, PySpy, WatchStats, find_py_spy
+from tracehound.agent.sources import Source, SourcePoller
 from tracehound.agent.spool import (
     BatchSink,
     ClockTracker,
@@ -52,7 +65,31 @@ from tracehound.agent.spool import (
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.events import Heartbeat, Record
-from tracehound.tracing.settings import TRACEHOUND_SINK, TRACEHOUND_SPOOL_DIR, env_str
+from tracehound.tracing.settings import (
+    DEFAULT_GPU,
+    DEFAULT_HEALTH_INTERVAL_S,
+    DEFAULT_SIM_GPUS,
+    GPU_BACKENDS,
+    NCCL_RAS_MODES,
+    TRACEHOUND_AGENT_SOCKET,
+    TRACEHOUND_CHECKPOINT_DIR,
+    TRACEHOUND_GPU,
+    TRACEHOUND_HEALTH_INTERVAL_S,
+    TRACEHOUND_JOB_ID,
+    TRACEHOUND_NCCL_INSPECTOR_DIR,
+    TRACEHOUND_NCCL_RAS,
+    TRACEHOUND_NODE_ID,
+    TRACEHOUND_SIM_GPU_FAULTS,
+    TRACEHOUND_SIM_GPUS,
+    TRACEHOUND_SINK,
+    TRACEHOUND_SPOOL_DIR,
+    TRACEHOUND_STORE,
+    SettingError,
+    env_choice,
+    env_float,
+    env_int,
+    env_str,
+)
 from tracehound.tracing.wire import InvalidRecord, decode_line, encode_line
 
 log = logging.getLogger(__name__)
@@ -98,9 +135,14 @@ class NodeAgent:
         stats_file: str | None = None,
         stats_interval_s: float = 10.0,
         watcher: ProcWatcher | None = None,
+        sources: SourcePoller | None = None,
+        heartbeat_observers: Sequence[Callable[[Heartbeat], None]] = (),
     ) -> None:
         """`watcher` (optional) is told every heartbeat, and started and stopped with the agent;
-        give it `spool_writer(spool)` as its emit so its records ship with the ranks'."""
+        `sources` (optional) polls the node's health, NCCL and other sources while the agent
+        runs. Give both `spool_writer(spool)` as their emit so their records ship with the
+        ranks'. `heartbeat_observers` are told every heartbeat too (an observer that raises is
+        logged, never fatal)."""
         self.job = job
         self.node = node
         self.socket_path = socket_path
@@ -112,6 +154,8 @@ class NodeAgent:
         self.stats_file = stats_file
         self.stats_interval_s = stats_interval_s
         self.watcher = watcher
+        self.sources = sources
+        self.heartbeat_observers = list(heartbeat_observers)
         self.log = logs.JobLogger(log, job=job, node=node)
         self._server: socket.socket | None = None
         self._closing = threading.Event()
@@ -143,6 +187,8 @@ class NodeAgent:
             self._threads.append(thread)
         if self.watcher is not None:
             self.watcher.start()
+        if self.sources is not None:
+            self.sources.start()
         self.log.info("listening on %s, spool %s (id %s), %d segments pending",
                       self.socket_path, self.spool.directory, self.spool.spool_id,
                       len(self.spool.sealed()))
@@ -158,6 +204,8 @@ class NodeAgent:
             os.unlink(self.socket_path)
         if self.watcher is not None and not self.watcher.stop(timeout_s=1.0):
             self.log.warning("the process watcher did not stop within 1s")
+        if self.sources is not None and not self.sources.stop(timeout_s=2.0):
+            self.log.warning("the source poller did not stop within 2s")
         deadline = time.monotonic() + drain_s
         for thread in list(self._connections):
             thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
@@ -250,12 +298,15 @@ class NodeAgent:
         if good:
             self.spool.stats.received += len(good)
             self.spool.append(good)
+        observers = [*self.heartbeat_observers]
         if self.watcher is not None:
-            for beat in beats:
+            observers.insert(0, self.watcher.observe)
+        for beat in beats:
+            for observe in observers:
                 try:
-                    self.watcher.observe(beat)
+                    observe(beat)
                 except Exception as exc:
-                    self.log.exception("process watcher refused a heartbeat: %r", exc)
+                    self.log.exception("a heartbeat observer failed: %r", exc)
 
     def _reject(self, reason: str, line: bytes = b"") -> None:
         self.spool.stats.rejected += 1
@@ -270,6 +321,8 @@ class NodeAgent:
         values["pending_segments"] = len(self.spool.sealed())
         values["connections"] = self.connections
         values.update(asdict(self.watcher.stats if self.watcher is not None else WatchStats()))
+        if self.sources is not None:
+            values.update(self.sources.flat_stats())
         return values
 
     def log_stats(self) -> None:
@@ -301,22 +354,38 @@ class NodeAgent:
                 self.log_stats()
 
 
-def parse_args(argv: list[str] | None = None,
-               env: Mapping[str, str] | None = None) -> argparse.Namespace:
-    """The agent's options. --spool and --sink default to TRACEHOUND_SPOOL_DIR and
-    TRACEHOUND_SINK of `env` (default: the process environment); each must be given one way or
-    the other."""
-    parser = argparse.ArgumentParser(
-        prog="python -m tracehound.agent.node", description="Tracehound node agent"
-    )
-    parser.add_argument("--job", required=True)
-    parser.add_argument("--node", required=True)
-    parser.add_argument("--socket", required=True, help="unix socket the ranks connect to")
+EPILOG = """\
+examples:
+  # a Kubernetes sidecar or an srun step: everything from the environment
+  TRACEHOUND_JOB_ID=exp7 TRACEHOUND_SINK=clickhouse://default:@ch:9000/tracehound tracehound agent
+  # simulated GPUs with a fault file, health every 2 s
+  tracehound agent --job exp7 --sink http://10.0.0.5:8123 --gpu sim --health-interval 2 \\
+      --sim-gpu-faults /tmp/faults.jsonl
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """The agent's options on `parser` (shared by this module's command and `tracehound agent`).
+    Defaults come from the TRACEHOUND_* variables of `env` (default: the process environment);
+    `check_args` then fills in the derived ones and rejects what cannot work."""
+    job = env_str(TRACEHOUND_JOB_ID, env=env) or env_str("TORCHELASTIC_RUN_ID", env=env)
+    parser.add_argument("--job", default=job or None,
+                        help=f"job id every record is tagged with (default: ${TRACEHOUND_JOB_ID}, "
+                             "else torchrun's run id)")
+    parser.add_argument("--node", default=env_str(TRACEHOUND_NODE_ID, socket.gethostname(),
+                                                  env=env),
+                        help=f"this node's name (default: ${TRACEHOUND_NODE_ID}, else the host "
+                             "name)")
+    parser.add_argument("--socket", default=env_str(TRACEHOUND_AGENT_SOCKET, env=env) or None,
+                        help="unix socket the ranks connect to (default: "
+                             f"${TRACEHOUND_AGENT_SOCKET}, else /tmp/tracehound-JOB-NODE.sock)")
     parser.add_argument("--spool", default=env_str(TRACEHOUND_SPOOL_DIR, env=env),
-                        help=f"durable spool directory (default: ${TRACEHOUND_SPOOL_DIR})")
+                        help="durable spool directory (default: "
+                             f"${TRACEHOUND_SPOOL_DIR}, else .tracehound/spool/JOB/NODE)")
     parser.add_argument("--sink", default=env_str(TRACEHOUND_SINK, env=env),
-                        help="clickhouse://... or http://host:port "
-                             f"(default: ${TRACEHOUND_SINK})")
+                        help="where batches go: clickhouse://... or http://host:port (default: "
+                             f"${TRACEHOUND_SINK}, else ${TRACEHOUND_STORE} when it is a "
+                             "clickhouse:// URL)")
     parser.add_argument("--stats-file", default=None, help="JSON stats, rewritten every second")
     parser.add_argument("--stats-interval", type=float, default=10.0, help="seconds between logs")
     parser.add_argument("--drain-s", type=float, default=10.0, help="shipping budget at stop")
@@ -330,11 +399,116 @@ def parse_args(argv: list[str] | None = None,
                         help="capture again every this many seconds while it stays stuck")
     parser.add_argument("--py-spy", default=None, metavar="PATH",
                         help="py-spy binary (default: on PATH, else beside this Python)")
-    args = parser.parse_args(argv)
-    for option, variable in (("--spool", TRACEHOUND_SPOOL_DIR), ("--sink", TRACEHOUND_SINK)):
-        if not getattr(args, option[2:]):
-            parser.error(f"{option} is required unless {variable} is set")
+    health = parser.add_argument_group("health sources")
+    health.add_argument("--gpu", default=None, choices=GPU_BACKENDS,
+                        help=f"GPU health backend (default: ${TRACEHOUND_GPU}, else "
+                             f"{DEFAULT_GPU}: NVML when it works); sim = simulated GPUs")
+    health.add_argument("--health-interval", type=_seconds, default=None, metavar="S",
+                        help="seconds between GPU and host health samples, 0: off (default: "
+                             f"${TRACEHOUND_HEALTH_INTERVAL_S}, else "
+                             f"{DEFAULT_HEALTH_INTERVAL_S:g})")
+    health.add_argument("--sim-gpus", type=int, default=None, metavar="N",
+                        help=f"simulated GPUs per node with --gpu sim (default: "
+                             f"${TRACEHOUND_SIM_GPUS}, else {DEFAULT_SIM_GPUS})")
+    health.add_argument("--sim-gpu-faults", default=None, metavar="FILE",
+                        help="JSON lines of faults the simulated GPUs inject as the file grows "
+                             f"(default: ${TRACEHOUND_SIM_GPU_FAULTS})")
+    health.add_argument("--nccl-ras", default=None, choices=NCCL_RAS_MODES,
+                        help=f"poll NCCL RAS on NCCL_RAS_ADDR (default: ${TRACEHOUND_NCCL_RAS}, "
+                             "else auto: when the GPUs are read through NVML)")
+    health.add_argument("--nccl-inspector-dir", default=None, metavar="DIR",
+                        help="tail NCCL Inspector's JSON lines in DIR (default: "
+                             f"${TRACEHOUND_NCCL_INSPECTOR_DIR}, else NCCL_INSPECTOR_DUMP_DIR)")
+    health.add_argument("--disk-path", action="append", default=None, metavar="PATH",
+                        help="report free space of PATH (repeatable; default: the spool and "
+                             f"${TRACEHOUND_CHECKPOINT_DIR})")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+               env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Fill the derived defaults of `args` and reject what cannot work (parser.error, naming the
+    option or variable)."""
+    if not args.job:
+        parser.error(f"--job is required unless {TRACEHOUND_JOB_ID} (or torchrun's "
+                     "TORCHELASTIC_RUN_ID) is set")
+    if not args.socket:
+        args.socket = f"/tmp/tracehound-{args.job}-{args.node}.sock"
+    if not args.spool:
+        args.spool = str(Path(".tracehound") / "spool" / args.job / args.node)
+    if not args.sink:
+        store = env_str(TRACEHOUND_STORE, env=env)
+        if store.startswith("clickhouse://"):
+            args.sink = store
+        else:
+            parser.error(f"--sink is required unless {TRACEHOUND_SINK} is set (or "
+                         f"{TRACEHOUND_STORE} names a clickhouse:// server)")
+    try:
+        if args.gpu is None:
+            args.gpu = env_choice(TRACEHOUND_GPU, DEFAULT_GPU, GPU_BACKENDS, env=env)
+        if args.health_interval is None:
+            args.health_interval = env_float(TRACEHOUND_HEALTH_INTERVAL_S,
+                                             DEFAULT_HEALTH_INTERVAL_S, env=env)
+        if args.sim_gpus is None:
+            args.sim_gpus = env_int(TRACEHOUND_SIM_GPUS, DEFAULT_SIM_GPUS, env=env)
+        if args.nccl_ras is None:
+            args.nccl_ras = env_choice(TRACEHOUND_NCCL_RAS, "auto", NCCL_RAS_MODES, env=env)
+    except SettingError as exc:
+        parser.error(str(exc))
+    if args.sim_gpus < 0:
+        parser.error(f"--sim-gpus {args.sim_gpus}: expected a number of GPUs >= 0")
+    if args.nccl_inspector_dir is None:
+        args.nccl_inspector_dir = (env_str(TRACEHOUND_NCCL_INSPECTOR_DIR, env=env)
+                                   or env_str(NCCL_INSPECTOR_DUMP_DIR, env=env) or None)
+    if args.sim_gpu_faults is None:
+        args.sim_gpu_faults = env_str(TRACEHOUND_SIM_GPU_FAULTS, env=env) or None
+    if args.disk_path is None:
+        args.disk_path = [args.spool]
+        checkpoints = env_str(TRACEHOUND_CHECKPOINT_DIR, env=env)
+        if checkpoints:
+            args.disk_path.append(checkpoints)
     return args
+
+
+def parse_args(argv: list[str] | None = None,
+               env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The agent's options; see `add_arguments` for their defaults."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = "python -m tracehound.agent.node"
+    if argv[:1] == ["--prog"] and len(argv) > 1:  # `tracehound agent` runs this module
+        prog, argv = argv[1], argv[2:]
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Tracehound node agent: receives the records of this node's ranks, watches "
+                    "their processes, samples GPU and host health, and ships it all to the "
+                    "trace store. Every option has a TRACEHOUND_* variable (shown with its "
+                    "default); ranks reach the agent through TRACEHOUND_AGENT_SOCKET.",
+        epilog=EPILOG,
+    )
+    add_arguments(parser, env)
+    return check_args(parser, parser.parse_args(argv), env)
+
+
+def health_sources(args: argparse.Namespace, ranks: LocalRanks | None = None) -> list[Source]:
+    """The health and NCCL sources the options ask for: GPU and host health every
+    --health-interval (none at 0), NCCL RAS and Inspector when asked (`ranks` maps Inspector's
+    writers to ranks). NvmlUnavailable when --gpu nvml cannot run here."""
+    out: list[Source] = []
+    nvml = False
+    if args.health_interval:
+        backend = open_backend(args.gpu, node=args.node, sim_gpus=args.sim_gpus,
+                               sim_faults=args.sim_gpu_faults)
+        if backend is not None:
+            nvml = backend.name == "nvml"
+            out.append(GpuHealthSource(backend, job=args.job, node=args.node,
+                                       interval_s=args.health_interval))
+        out.append(HostHealthSource(job=args.job, node=args.node,
+                                    interval_s=args.health_interval, disk_paths=args.disk_path))
+    if args.nccl_ras == "on" or (args.nccl_ras == "auto" and nvml):
+        out.append(NcclRasSource(job=args.job, node=args.node))
+    if args.nccl_inspector_dir:
+        out.append(NcclInspectorSource(args.nccl_inspector_dir, job=args.job, node=args.node,
+                                       ranks=ranks))
+    return out
 
 
 def _seconds(text: str) -> float:
@@ -347,12 +521,14 @@ def _seconds(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logs.configure()
+def run_agent(args: argparse.Namespace) -> int:
+    """Run a node agent with `args` (from `parse_args` or `tracehound agent`) until SIGTERM or
+    SIGINT; 0 after a clean stop, 2 when a source or sink cannot be used."""
+    ranks = LocalRanks(job=args.job)
     try:
         sink = make_sink(args.sink)
-    except StoreConfigError as exc:
+        sources = health_sources(args, ranks)
+    except (StoreConfigError, NvmlUnavailable, ValueError) as exc:
         print(f"tracehound node agent: {exc}", file=sys.stderr)
         return 2
     spool = Spool(
@@ -364,9 +540,11 @@ def main(argv: list[str] | None = None) -> int:
         stack_after_s=args.stack_after, stack_repeat_s=args.stack_repeat,
         capturer=PySpy(find_py_spy(args.py_spy)), job=args.job, node=args.node,
     )
+    poller = SourcePoller(sources, spool_writer(spool), job=args.job, node=args.node)
     agent = NodeAgent(
         job=args.job, node=args.node, socket_path=args.socket, spool=spool, sink=sink,
         stats_file=args.stats_file, stats_interval_s=args.stats_interval, watcher=watcher,
+        sources=poller, heartbeat_observers=[ranks.observe],
     )
     stop = threading.Event()
 
@@ -381,6 +559,12 @@ def main(argv: list[str] | None = None) -> int:
     agent.log.info("stopping: shipping what is left (at most %.0fs)", args.drain_s)
     agent.stop(drain_s=args.drain_s)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs.configure()
+    return run_agent(args)
 
 
 if __name__ == "__main__":

@@ -91,9 +91,11 @@ def load_observation(
     """Read one detection window ending at `now_us` from a store; every summary is computed by
     the store in SQL, so the rows read back are per rank, per link or per node, never per event.
 
-    With `summaries=False` only the snapshot is read (three small queries): enough for crashes,
+    With `summaries=False` only the snapshot and the window's health events (warnings and
+    critical samples, no plain readings) are read (four small queries): enough for crashes,
     hangs and op mismatches, which a supervisor checks far more often than the window summaries
-    that stragglers, slow links and outliers need. A `snapshot` already read is used as it is.
+    that stragglers, slow links and outliers need; the health events are what tells a hang of a
+    lost GPU from a frozen process. A `snapshot` already read is used as it is.
     Collectives of `uneven_ops` whose sizes alone differ are no disagreement (pass the detection
     settings' `mismatch_size_exempt_ops`).
 
@@ -105,9 +107,14 @@ def load_observation(
     snap = snapshot or load_snapshot(store, job=job, attempt=attempt, now_us=now_us,
                                      expected_ranks=expected_ranks)
     start = now_us - int(window_s * 1_000_000)
-    if not summaries:
-        return Observation(snapshot=snap, window_start_us=start, window_end_us=now_us)
     nodes = sorted(set(snap.expected_ranks.values()) | {str(hb.node) for hb in snap.heartbeats})
+    if not summaries:
+        # events only: with the readings' start at the window's end, the store's severity
+        # filter keeps the warnings and critical samples since the lookback
+        events = store.health(nodes, now_us, now_us,
+                              events_since_us=start - int(health_lookback_s * 1_000_000))
+        return Observation(snapshot=snap, window_start_us=start, window_end_us=now_us,
+                           health=tuple(events))
     window_us = int(window_s * 1_000_000)
     clocks, ranks = _ranks_and_clocks(store, job, attempt, now_us, window_us)
     # Judge over collectives, not seconds: a job with long steps has few collectives in the
