@@ -5,6 +5,8 @@
     tracehound incidents  list stored incidents and the actions taken
     tracehound diagnose   explain a job's state from its stored traces
     tracehound simulate   write a simulated job's traces (with a fault) to a store
+    tracehound agent      run a node agent on its own (torchrun, srun, Ray, Kubernetes)
+    tracehound instrument run a command (torchrun ...) with the recorder in every rank
 
 Exit status: 0 on success, 1 when the job (or the demo) failed, 2 for bad usage or a store that
 cannot be used, 130 when interrupted.
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tracehound.controller import tracefiles
+from tracehound.controller import importfr, launchers, stacks_cli, tracefiles
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.ids import JobId
@@ -41,6 +43,7 @@ EPILOG_DEMO = """\
 examples:
   tracehound demo                        # SIGSTOP rank 3 mid-training, recover, report
   tracehound demo --fault crash --rank 1 # SIGKILL rank 1 instead
+  tracehound demo --fault xid            # rank 3's (simulated) GPU falls off the bus
   tracehound demo --json                 # one JSON object for scripts
 """
 
@@ -102,8 +105,10 @@ def _parser() -> argparse.ArgumentParser:
                     "from outside, and report what Tracehound found and how fast it recovered.",
         epilog=EPILOG_DEMO, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--fault", choices=["hang", "crash"], default="hang",
-                      help="hang = SIGSTOP the rank, crash = SIGKILL it (default: hang)")
+    demo.add_argument("--fault", choices=["hang", "crash", "xid"], default="hang",
+                      help="hang = SIGSTOP the rank, crash = SIGKILL it, xid = its simulated GPU "
+                           "reports Xid 79 (fallen off the bus) and the rank freezes "
+                           "(default: hang)")
     demo.add_argument("--rank", type=int, default=3, help="rank to fault, 0-3 (default: 3)")
     demo.add_argument("--fault-step", type=int, default=60,
                       help="training step at which to inject (default: 60)")
@@ -178,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print what was written as JSON")
     _store_arg(sim)
     tracefiles.add_parsers(sub, _store_arg)
+    stacks_cli.add_parser(sub, _store_arg)
+    importfr.add_parser(sub, _store_arg)
+    launchers.add_parsers(sub, _store_arg)
     return parser
 
 
@@ -377,8 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"demo": cmd_demo, "run": cmd_run, "incidents": cmd_incidents,
                 "diagnose": cmd_diagnose, "simulate": cmd_simulate,
                 "export": tracefiles.cmd_export, "load": tracefiles.cmd_load}
+    # a subcommand module's add_parser may set its handler with set_defaults(handler=...)
+    handler = getattr(args, "handler", None) or handlers[args.command]
     try:
-        return handlers[args.command](args)
+        return int(handler(args))
     except StoreError as exc:
         print(f"tracehound {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """`tracehound demo`: a real DDP job that gets a fault from outside and recovers from it.
 
-Two nodes of two gloo ranks and one spare node train a small model with checkpoints. When the
-job reaches `fault_step`, one rank is stopped (SIGSTOP, a hang) or killed (SIGKILL, a crash)
-from outside, as a broken GPU or a kernel would. Tracehound has to name that rank and its node,
+Two nodes of two gloo ranks and one spare node train a small model with checkpoints; each node's
+agent samples two simulated GPUs. When the job reaches `fault_step`, one rank is stopped
+(SIGSTOP, a hang) or killed (SIGKILL, a crash) from outside, as a broken GPU or a kernel would,
+or its GPU reports Xid 79 (fallen off the bus) and the rank freezes (`xid`). Tracehound has to name that rank and its node,
 isolate the node, restart on the spare from the latest complete checkpoint, and finish training.
 The report compares what was injected with what was found, and times each phase.
 """
@@ -10,6 +11,7 @@ The report compares what was injected with what was found, and times each phase.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -28,11 +30,16 @@ from tracehound.controller.supervisor import (
     Supervisor,
     SupervisorSettings,
 )
+from tracehound.tracing import settings as env
 from tracehound.tracing.events import now_us
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore
 
-FAULT_SIGNALS = {"hang": signal.SIGSTOP, "crash": signal.SIGKILL}
+FAULT_SIGNALS = {"hang": signal.SIGSTOP, "crash": signal.SIGKILL, "xid": signal.SIGSTOP}
+"""How each demo fault strikes its rank; `xid` also makes the rank's simulated GPU report Xid 79
+(fallen off the bus), as a GPU that is lost freezes the process that drives it."""
+
+XID_LOST = 79
 
 
 def training_script() -> str:
@@ -49,6 +56,9 @@ class FaultInjector:
     fault: str
     rank: int
     at_step: int
+    gpu_faults: Path | None = None
+    """The simulated GPUs' fault file (the `xid` fault writes its Xid there)."""
+    nproc_per_node: int = 2
     injected_us: int = 0
     injected_step: int = 0
     pid: int = 0
@@ -63,6 +73,14 @@ class FaultInjector:
         pid = view.orchestrator.pid_of(self.rank)
         if pid is None:
             return
+        if self.fault == "xid" and self.gpu_faults is not None:
+            node = next((hb.node for hb in view.snapshot.heartbeats if hb.rank == self.rank),
+                        "")
+            gpu = self.rank % self.nproc_per_node
+            with self.gpu_faults.open("a") as faults:
+                faults.write(json.dumps({"node": node, "gpu": gpu, "kind": "xid",
+                                         "code": XID_LOST, "at_us": now_us()}) + "\n")
+            self.log.append(f"simulated Xid {XID_LOST} on {node} gpu{gpu}")
         os.kill(pid, FAULT_SIGNALS[self.fault])
         self.injected_us = now_us()
         self.injected_step = max(steps)
@@ -140,10 +158,16 @@ def run_demo_in_session(
     )
     spec = JobSpec(job=job_id, command=command, nnodes=nnodes, nproc_per_node=nproc,
                    spare_nodes=spares)
-    injector = FaultInjector(fault=fault, rank=rank, at_step=fault_step)
+    gpu_faults = workdir / "gpu-faults.jsonl"
+    injector = FaultInjector(fault=fault, rank=rank, at_step=fault_step, gpu_faults=gpu_faults,
+                             nproc_per_node=nproc)
     settings = settings or SupervisorSettings(poll_s=0.25, timeout_s=600)
     started = time.monotonic()
-    orch = LocalOrchestrator(workdir=workdir, sink=session.sink)
+    # this machine has no GPU: every demo node gets simulated ones, healthy until a fault
+    agent_env = {env.TRACEHOUND_GPU: "sim", env.TRACEHOUND_SIM_GPUS: str(nproc),
+                 env.TRACEHOUND_SIM_GPU_FAULTS: str(gpu_faults),
+                 env.TRACEHOUND_HEALTH_INTERVAL_S: "1"}
+    orch = LocalOrchestrator(workdir=workdir, sink=session.sink, agent_env=agent_env)
     supervisor = Supervisor(spec=spec, store=session.store, orchestrator=orch,
                             settings=settings, observer=injector,
                             evidence_dir=workdir / "incidents")

@@ -88,6 +88,23 @@ def test_demo_crash_is_localized_and_recovered_server_store(
     check_stored(store, "e2e-crash", "crash", 1)
 
 
+def test_demo_xid_on_one_node_is_a_hardware_verdict_naming_it(tmp_path: Path) -> None:
+    # rank 2's simulated GPU (gpu0 of node-1) reports Xid 79 and the rank freezes: the hang is
+    # explained by the GPU's fault, read from the health samples the node agent shipped
+    store = f"chdb://{tmp_path / 'store'}"
+    report = run_demo("xid", 2, store, tmp_path / "work", "e2e-xid")
+    assert (report["kind"], report["culprit_ranks"], report["culprit_nodes"]) == (
+        "hardware", [2], ["node-1"]), report
+    assert "xid=79 on gpu0 of node node-1" in report["summary"]
+    assert report["actions"][:2] == ["stop_job attempt 0", "isolate_node node-1"]
+    assert report["completed"] is True
+    diag = tracehound("diagnose", "--job", "e2e-xid", "--attempt", "0", "--store", store,
+                      "--json")
+    verdict = json.loads(diag.stdout)
+    assert verdict["kind"] == "hardware" and verdict["culprit_nodes"] == ["node-1"]
+    assert verdict["basis"] == "health_correlation"
+
+
 def test_bad_store_url_is_named_in_a_clear_error() -> None:
     proc = tracehound("incidents", "--store", "clickhouse://default:secret@:9000/x")
     assert proc.returncode == 2
