@@ -25,7 +25,7 @@ from tracehound.tracing.settings import (
 ROOT = Path(settings.__file__).resolve().parent.parent
 PACKAGES = ("agent", "tracing", "analysis", "controller", "ui")
 SETTINGS = Path(settings.__file__).resolve()
-READERS = frozenset({"env_str", "env_int", "env_float", "env_flag", "get", "getenv"})
+READERS = frozenset({"env_str", "env_int", "env_float", "env_flag", "env_choice", "get", "getenv"})
 """Calls that read an environment variable named by their first argument."""
 
 CARRIERS = {"heartbeat_s": "DEFAULT_HEARTBEAT_S", "bound": "DEFAULT_BUFFER_RECORDS"}
