@@ -16,9 +16,11 @@ repeated every --stack-repeat seconds (30) while it stays stuck; and it polls th
 sources (`agent.sources`): GPUs through NVML or simulated ones (`agent.gpu`, --gpu) and the host
 (`agent.host`: NIC and InfiniBand links, disk space, memory pressure, load) every
 --health-interval seconds (10; 0: off), and NCCL's own views where asked (`agent.nccl`: RAS
-status, --nccl-ras; Inspector's collective logs, --nccl-inspector-dir). These records go to the spool like the ranks' own.
-SIGTERM/SIGINT: stop accepting, ship what is left for at most --drain-s seconds (10), exit 0;
-whatever could not be shipped stays in DIR for the next agent started on it.
+status, --nccl-ras; Inspector's collective logs, --nccl-inspector-dir). These records go to the
+spool like the ranks' own. With OTEL_EXPORTER_OTLP_ENDPOINT set, the agent's own counters go out
+over OTLP (`agent.telemetry`). SIGTERM/SIGINT: stop accepting, ship what is left for at most
+--drain-s seconds (10), exit 0; whatever could not be shipped stays in DIR for the next agent
+started on it.
 
 Every option has a TRACEHOUND_* variable (tracing.settings), so a Kubernetes sidecar, a DaemonSet
 or a line in an srun/Ray script starts it with no arguments beyond the job's environment.
@@ -62,6 +64,7 @@ from tracehound.agent.spool import (
     Spool,
     StoreSink,
 )
+from tracehound.agent.telemetry import start_telemetry
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.events import Heartbeat, Record
@@ -156,6 +159,9 @@ class NodeAgent:
         self.watcher = watcher
         self.sources = sources
         self.heartbeat_observers = list(heartbeat_observers)
+        self._dropped: dict[tuple[str, int, int], int] = {}
+        """The latest `dropped` count each rank's heartbeats reported (records it could not
+        hand to this agent)."""
         self.log = logs.JobLogger(log, job=job, node=node)
         self._server: socket.socket | None = None
         self._closing = threading.Event()
@@ -295,6 +301,7 @@ class NodeAgent:
             good.append(line)
             if isinstance(record, Heartbeat):
                 beats.append(record)
+                self._dropped[(record.job, record.attempt, record.rank)] = record.dropped
         if good:
             self.spool.stats.received += len(good)
             self.spool.append(good)
@@ -320,6 +327,7 @@ class NodeAgent:
         values = asdict(self.spool.stats)
         values["pending_segments"] = len(self.spool.sealed())
         values["connections"] = self.connections
+        values["dropped"] = sum(self._dropped.values())
         values.update(asdict(self.watcher.stats if self.watcher is not None else WatchStats()))
         if self.sources is not None:
             values.update(self.sources.flat_stats())
@@ -546,6 +554,16 @@ def run_agent(args: argparse.Namespace) -> int:
         stats_file=args.stats_file, stats_interval_s=args.stats_interval, watcher=watcher,
         sources=poller, heartbeat_observers=[ranks.observe],
     )
+    try:
+        # nothing starts unless OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT is set
+        telemetry = start_telemetry(agent.stats, job=args.job, node=args.node,
+                                    spool_dir=args.spool)
+    except SettingError as exc:
+        print(f"tracehound node agent: {exc}", file=sys.stderr)
+        return 2
+    if telemetry is not None:
+        agent.shipper.sink = telemetry.timed_sink(agent.shipper.sink)
+        agent.log.info("exporting the agent's own metrics over OTLP")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -558,6 +576,8 @@ def run_agent(args: argparse.Namespace) -> int:
         pass
     agent.log.info("stopping: shipping what is left (at most %.0fs)", args.drain_s)
     agent.stop(drain_s=args.drain_s)
+    if telemetry is not None:
+        telemetry.shutdown()
     return 0
 
 

@@ -101,7 +101,7 @@ class _Group:
 
     __slots__ = (
         "in_flight", "last_complete_us", "last_completed", "last_enqueue_us", "last_enqueued",
-        "name", "pending_dtype", "pending_nbytes", "pending_op",
+        "name", "pending_dtype", "pending_nbytes", "pending_op", "pruned_at",
     )
 
     def __init__(self, name: str) -> None:
@@ -116,6 +116,9 @@ class _Group:
         # calls entered and not yet ended: seq -> (op, nbytes, dtype, enqueue_us). Bounded: past
         # the cap newer calls are not added, so the oldest (what a heartbeat reports) stays right.
         self.in_flight: dict[int, tuple[str, int, str, int]] = {}
+        self.pruned_at = 0
+        """last_completed when in_flight was last pruned (a full dict is pruned only after it
+        moved)."""
 
     def oldest(self) -> tuple[int, str, int, str]:
         """The oldest call in flight after the last completed one, when more than one is:
@@ -198,8 +201,9 @@ class Recorder:
 
     @property
     def dropped(self) -> int:
-        """Records lost so far: refused by a full queue, or lost to an error of the recorder."""
-        return self._dropped + self._errors
+        """Records lost so far: refused by a full queue, lost to an error of the recorder, or
+        accepted by the transport and then lost there (could not be encoded)."""
+        return self._dropped + self._errors + int(getattr(self.sink, "lost", 0))
 
     @property
     def errors(self) -> int:
@@ -244,7 +248,10 @@ class Recorder:
             in_flight = group.in_flight
             if len(in_flight) >= _MAX_IN_FLIGHT:
                 done = group.last_completed  # forget calls that never ended
-                in_flight = group.in_flight = {k: v for k, v in in_flight.items() if k > done}
+                if done > group.pruned_at:  # else nothing can go: no rebuild on every call
+                    group.pruned_at = done
+                    in_flight = group.in_flight = {k: v for k, v in in_flight.items()
+                                                   if k > done}
                 if len(in_flight) >= _MAX_IN_FLIGHT:
                     return (group, seq, op, nbytes, dtype, peer, now)
             in_flight[seq] = (op, nbytes, dtype, now)

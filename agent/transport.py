@@ -6,6 +6,13 @@ to the node agent's socket, reconnecting with backoff (`tracing.retry`: 0.05 s, 
 `max_backoff_s`) while the agent is not (yet) there. Records stay buffered up to the bound while
 disconnected; beyond it they are dropped and counted.
 
+Every record offered is counted once, in one place: `dropped` (refused, the buffer was full),
+`pending` (queued, or encoded and not yet written), `sent` (its last byte was written to the
+socket) or `lost` (accepted, then could not be encoded). A write cut short by a lost connection
+is resumed on the next one from the start of the line it cut (the agent rejects the fragment it
+got), so nothing is sent twice and nothing is skipped. What the kernel took for an agent that
+then died is counted as sent: the agent does not acknowledge records.
+
 It must never block or raise into the training thread: `offer` is a length check and an append.
 """
 
@@ -48,28 +55,44 @@ class SocketTransport:
         self.max_backoff_s = max_backoff_s
         self._queue: collections.deque[Pending] = collections.deque()
         self._unsent: bytes = b""
+        self._offset = 0
+        """Bytes of `_unsent` already written."""
         self._sock: socket.socket | None = None
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._drop_lock = threading.Lock()
         self.dropped = 0
-        """Items refused because the queue was full, or that could not be encoded."""
+        """Items refused because the queue was full (the training and heartbeat threads both
+        offer, so it is counted under a lock, on the drop path only)."""
+        self.lost = 0
+        """Items accepted, then lost: they could not be encoded, or an unexpected error of the
+        sender thread discarded them."""
         self.sent = 0
+        """Items whose line was written to the socket in full."""
         self.connects = 0
 
     # -- training-thread side --------------------------------------------------------------------
 
     def offer(self, item: Pending) -> bool:
         if len(self._queue) >= self.bound:
-            self.dropped += 1
+            with self._drop_lock:
+                self.dropped += 1
             return False
         self._queue.append(item)
         return True
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    @property
+    def pending(self) -> int:
+        """Items accepted and not sent yet: queued, or encoded and not written in full (exact
+        while the sender is not writing, e.g. while disconnected)."""
+        data, offset = self._unsent, self._offset
+        return len(self._queue) + data.count(b"\n", offset)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -133,7 +156,7 @@ class SocketTransport:
             try:
                 lines.append(wire.encode_line(materialize(item)))
             except Exception as exc:
-                self.dropped += 1
+                self.lost += 1
                 log.warning("tracehound transport could not encode %r: %r", item, exc)
         return b"\n".join(lines) + b"\n" if lines else b""
 
@@ -155,12 +178,10 @@ class SocketTransport:
                         continue
                     backoff.succeeded()
                 if not self._unsent:
+                    self._offset = 0
                     self._unsent = self._encode(_CHUNK)
                 if self._unsent:
-                    data = self._unsent
-                    self._sock.sendall(data)
-                    self.sent += data.count(b"\n")
-                    self._unsent = b""
+                    self._write(self._sock)
                     continue
                 self._idle.set()
                 if self._stop:
@@ -175,5 +196,24 @@ class SocketTransport:
                         sock.close()
             except Exception as exc:
                 log.warning("tracehound transport error: %r", exc)
-                self._unsent = b""
+                self.lost += self._unsent.count(b"\n", self._offset)
+                self._unsent, self._offset = b"", 0
                 time.sleep(0.1)
+
+    def _write(self, sock: socket.socket) -> None:
+        """Write the rest of `_unsent`, counting each line once its last byte is out. When the
+        connection fails, `_offset` goes back to the start of the line it cut (raises OSError)."""
+        data = self._unsent
+        view = memoryview(data)
+        try:
+            while self._offset < len(data):
+                try:
+                    written = sock.send(view[self._offset:])
+                except OSError:
+                    self._offset = data.rfind(b"\n", 0, self._offset) + 1
+                    raise
+                self.sent += data.count(b"\n", self._offset, self._offset + written)
+                self._offset += written
+        finally:
+            view.release()
+        self._unsent, self._offset = b"", 0

@@ -1,79 +1,399 @@
-"""Recorder overhead: the same real DDP job with Tracehound's recorder on and off, side by side.
+"""Recorder overhead: what tracing costs a training job, in step time and per recorded event.
 
-Runs the demo training script (2 nodes x 2 gloo ranks, no checkpoints) through `tracehound run`,
-alternating recorder on / off (TRACEHOUND_DISABLE=1) so that machine noise hits both alike, and
-reads each rank's steady-state step rate (it prints it, first step excluded). Prints the median
-rate of each mode and the overhead = 1 - on/off.
+Two measurements, printed as figures (a benchmark, never a test; nothing here gates on time):
 
-    python bench/overhead.py [--pairs N] [--steps S] [--step-sleep-ms MS] [--json]
+1. Step time. The demo DDP job (gloo, --nnodes x --nproc-per-node ranks, no checkpoints) runs
+   through `tracehound run` again and again, recorder on and recorder off (TRACEHOUND_DISABLE=1)
+   in alternating order (on/off, off/on, ...), so machine noise hits both alike. Each rank
+   prints its steady-state step rate (first step excluded); a run's step time is 1 / the mean
+   rate of its ranks. Each pair gives one ratio traced / untraced; `step_time_ratio` is the
+   median of those ratios, printed with their spread. The node agents run in both modes (the
+   controller starts them); with the recorder off they receive nothing.
+
+2. Per-event cost (`record_us`), in a child process: a real gloo process group of one rank,
+   the recorder's real wrappers (`hooks.install_distributed`) and a real SocketTransport
+   connected to a real node agent process. `record_us` is the time a wrapped call costs the
+   training thread on top of the call itself: the wrapper put around a no-op with
+   `all_reduce`'s signature, minus the bare no-op, over 1-element tensors. It includes the
+   wrapper's argument handling, `Recorder.begin`/`end` (two clock reads, the lock, the tuple)
+   and `SocketTransport.offer`; the other threads are kept off the GIL while it is timed
+   (sys.setswitchinterval). What the sender thread later spends on each record (turning it into
+   a record, JSON, the socket write) is `sender_us`, CPU time measured while the training thread
+   waits: it runs off the training thread but holds the GIL. `drain_us` is the wall time per
+   record of that drain, which the node agent's reading pace bounds. `record_us_contended` is
+   the same wrapped no-op with the sender running alongside (a training thread that never
+   releases the GIL), and `all_reduce_*` compare a real wrapped and unwrapped gloo all_reduce of
+   one rank (noisy: the gloo call itself varies by more than the recorder costs). `parts_us`
+   breaks the hot path down, each part timed alone.
+
+    python bench/overhead.py [--pairs N] [--steps S] [--step-sleep-ms MS] [--calls C]
+                             [--blocks B] [--skip-job] [--skip-hot-path] [--json]
+
+With --json it prints one JSON object (progress goes to stderr); `step_time_ratio` and
+`record_us` are always in it (null for a part that was skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from tracehound.controller.demo import training_script
+from typing import Any
 
 RATE = re.compile(r"rank \d+/\d+: \d+ steps at ([0-9.]+) steps/s")
 
 
-def one_run(recorder: bool, steps: int, sleep_ms: float, workdir: Path) -> float:
+# -- 1. step time of a real job, recorder on and off ----------------------------------------------
+
+
+def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: int,
+            workdir: Path, width: int = 64, batch: int = 32, launcher: str = "instrument"
+            ) -> float:
+    """One job run; its step time in ms (1000 / the mean steady-state rate of its ranks)."""
+    from tracehound.controller.demo import training_script
+
     env = dict(os.environ)
+    env.pop("TRACEHOUND_DISABLE", None)
+    env["OMP_NUM_THREADS"] = "1"
     if not recorder:
         env["TRACEHOUND_DISABLE"] = "1"
     job = "on" if recorder else "off"
-    subprocess.run(
-        [sys.executable, "-m", "tracehound.controller.cli", "--log-level", "WARNING", "run",
-         "--nnodes", "2", "--nproc-per-node", "2", "--job-id", job,
-         "--store", f"chdb://{workdir / 'store'}", "--workdir", str(workdir),
-         training_script(), "--steps", str(steps), "--checkpoint-every", "0",
-         "--print-every", "0", "--sync-loss-every", "0", "--step-sleep-ms", str(sleep_ms)],
-        env=env, check=True, capture_output=True, timeout=900,
+    script = [training_script(), "--steps", str(steps), "--checkpoint-every", "0",
+              "--print-every", "0", "--sync-loss-every", "0", "--step-sleep-ms", str(sleep_ms),
+              "--width", str(width), "--batch", str(batch)]
+    cli = [sys.executable, "-m", "tracehound.controller.cli", "--log-level", "WARNING"]
+    store = f"chdb://{workdir / 'store'}"
+    if launcher == "run":
+        subprocess.run(
+            [*cli, "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+             "--job-id", job, "--store", store, "--workdir", str(workdir), *script],
+            env=env, check=True, capture_output=True, timeout=900,
+        )
+        texts = [log.read_text()
+                 for log in sorted((workdir / job / "logs" / "attempt-0").glob("rank-*.log"))]
+    else:
+        # torchrun's ranks under `tracehound instrument`: the recorder and a node agent that
+        # ships to the store, no analysis beside the job
+        # not check=True: a rank that printed its rate and then hung in torch's gloo teardown
+        # at exit (seen once in ~100 runs; a GIL deadlock inside ~ProcessGroupGloo) measured
+        # its steps all the same; the rates below decide
+        try:
+            done = subprocess.run(
+                [*cli, "instrument", "--job", job, "--node", "n0", "--store", store,
+                 "--workdir", str(workdir / "instrument"), "--", sys.executable, "-m",
+                 "torch.distributed.run", "--standalone", "--nproc-per-node",
+                 str(nnodes * nproc), *script],
+                env=env, check=False, capture_output=True, text=True, timeout=300,
+            )
+            out = done.stdout
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        texts = [out]
+    rates = [float(found[-1]) for found in (RATE.findall(t) for t in texts) if found]
+    if launcher != "run":
+        rates = [float(r) for r in RATE.findall(texts[0])]
+    if len(rates) != nnodes * nproc:
+        raise RuntimeError(f"{len(rates)} ranks reported a rate, expected {nnodes * nproc}")
+    return 1000.0 / statistics.mean(rates)
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def step_time(args: argparse.Namespace) -> dict[str, Any]:
+    def run(recorder: bool) -> float:
+        with tempfile.TemporaryDirectory(prefix="tracehound-overhead-") as tmp:
+            return one_run(recorder=recorder, steps=args.steps, sleep_ms=args.step_sleep_ms,
+                           nnodes=args.nnodes, nproc=args.nproc_per_node, workdir=Path(tmp),
+                           width=args.width, batch=args.batch, launcher=args.launcher)
+
+    for i in range(args.warmup):
+        ms = run(i % 2 == 0)
+        progress(f"warm-up run {i + 1}/{args.warmup}: {ms:.3f} ms/step (not counted)")
+    on: list[float] = []
+    off: list[float] = []
+    for i in range(args.pairs):
+        pair: dict[bool, float] = {}
+        for recorder in ((True, False) if i % 2 == 0 else (False, True)):
+            pair[recorder] = run(recorder)
+        on.append(pair[True])
+        off.append(pair[False])
+        progress(f"pair {i + 1}/{args.pairs}: on {pair[True]:.3f} ms/step, "
+                 f"off {pair[False]:.3f} ms/step, ratio {pair[True] / pair[False]:.4f}")
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
+    q1, q3 = quartiles(ratios)
+    return {
+        "step_time_ratio": round(statistics.median(ratios), 4),
+        "step_time_ratio_of_medians": round(statistics.median(on) / statistics.median(off), 4),
+        "pair_ratios": [round(r, 4) for r in ratios],
+        "pair_ratio_min": round(min(ratios), 4),
+        "pair_ratio_max": round(max(ratios), 4),
+        "pair_ratio_iqr": [round(q1, 4), round(q3, 4)],
+        "pairs": args.pairs,
+        "ranks": args.nnodes * args.nproc_per_node,
+        "launcher": args.launcher,
+        "steps_per_run": args.steps,
+        "step_ms_on": [round(x, 3) for x in on],
+        "step_ms_off": [round(x, 3) for x in off],
+    }
+
+
+# -- 2. per-event cost, in a child process ---------------------------------------------------------
+
+
+def per_call_us(fn: Callable[..., Any], args: tuple[Any, ...], calls: int) -> float:
+    """Mean time of one call of fn(*args) over `calls` calls, in microseconds."""
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn(*args)
+    return (time.perf_counter_ns() - start) / calls / 1000.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
+    """Runs in a child process (it patches torch.distributed); returns the figures."""
+    import torch
+    import torch.distributed as dist
+
+    from tracehound.agent import hooks
+    from tracehound.agent.recorder import Recorder
+    from tracehound.agent.transport import SocketTransport
+    from tracehound.tracing.events import now_us
+
+    tmp = Path(tempfile.mkdtemp(prefix="tracehound-hotpath-"))
+    path = tmp / "agent.sock"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "tracehound.agent.node", "--job", "bench", "--node", "n0",
+         "--socket", str(path), "--spool", str(tmp / "spool"),
+         # nothing listens there: the agent spools to disk and retries shipping in the back
+         "--sink", f"http://127.0.0.1:{free_port()}",
+         "--proc-interval", "0", "--stack-after", "0", "--drain-s", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    rates = []
-    for log in sorted((workdir / job / "logs" / "attempt-0").glob("rank-*.log")):
-        found = RATE.findall(log.read_text())
-        if not found:
-            raise RuntimeError(f"no step rate in {log}")
-        rates.append(float(found[-1]))
-    return statistics.mean(rates)
+    try:
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            if time.monotonic() > deadline or agent.poll() is not None:
+                raise RuntimeError("the node agent did not start")
+            time.sleep(0.05)
+        dist.init_process_group("gloo", init_method=f"file://{tmp / 'pg'}", rank=0,
+                                world_size=1)
+        transport = SocketTransport(str(path), bound=max(4 * calls, 65536))
+        recorder = Recorder(job="bench", attempt=0, node="n0", rank=0, sink=transport)
+
+        def activate() -> None:
+            transport.start()
+            recorder.start()
+
+        c10d = dist.distributed_c10d
+        real = dist.all_reduce
+
+        def noop(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        noop.__signature__ = inspect.signature(real)  # type: ignore[attr-defined]
+        dist.all_reduce = c10d.all_reduce = noop
+        hooks.install_distributed(recorder, on_group=activate)
+        wrapped_noop = dist.all_reduce
+        dist.all_reduce = c10d.all_reduce = real
+        hooks.install_distributed(recorder, on_group=activate)
+        wrapped_real = dist.all_reduce
+        if wrapped_noop is noop or wrapped_real is real:
+            raise RuntimeError("install_distributed did not wrap all_reduce")
+        tensor = torch.ones(1)
+        one = (tensor,)
+        switch = sys.getswitchinterval()
+
+        def settle() -> tuple[float, float]:
+            """Let the sender send everything queued: (wall s, CPU s of this process) it took.
+            The training thread only waits meanwhile: the CPU is the sender's (and the odd
+            heartbeat's)."""
+            wall, cpu = time.perf_counter(), time.process_time()
+            if not transport.flush(30.0):
+                raise RuntimeError("the transport did not drain within 30 s")
+            return time.perf_counter() - wall, time.process_time() - cpu
+
+        def quiet(fn: Callable[..., Any], n: int, args: tuple[Any, ...] = one) -> float:
+            sys.setswitchinterval(30.0)  # the other threads wait for the GIL until we are done
+            try:
+                return per_call_us(fn, args, n)
+            finally:
+                sys.setswitchinterval(switch)
+
+        # warm up every path once
+        for fn in (noop, wrapped_noop, real, wrapped_real):
+            per_call_us(fn, one, 2000)
+        settle()
+
+        bare: list[float] = []
+        traced: list[float] = []
+        sender: list[float] = []
+        drain: list[float] = []
+        contended: list[float] = []
+        for i in range(blocks):
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            for which in order:
+                if which == 0:
+                    bare.append(quiet(noop, calls))
+                else:
+                    sent = transport.sent
+                    traced.append(quiet(wrapped_noop, calls))
+                    wall, cpu = settle()
+                    count = max(1, transport.sent - sent)
+                    sender.append(cpu * 1e6 / count)
+                    drain.append(wall * 1e6 / count)
+            contended.append(per_call_us(wrapped_noop, one, calls))
+            settle()
+        diffs = [t - b for t, b in zip(traced, bare, strict=True)]
+        contended_diffs = [c - b for c, b in zip(contended, bare, strict=True)]
+
+        ar_calls = max(200, calls // 20)
+        ar_bare: list[float] = []
+        ar_traced: list[float] = []
+        for i in range(blocks):
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                if which == 0:
+                    ar_bare.append(per_call_us(real, one, ar_calls))
+                else:
+                    ar_traced.append(per_call_us(wrapped_real, one, ar_calls))
+            settle()
+        ar_diffs = [t - b for t, b in zip(ar_traced, ar_bare, strict=True)]
+
+        # The hot path by part, each timed alone (the queue is a fresh, unstarted transport).
+        def fresh() -> SocketTransport:
+            return SocketTransport(str(tmp / "nowhere.sock"), bound=calls + 10)
+
+        item = ("bench", 0, "n0", 0, "0", 1, "all_reduce", 4, "float32", -1, False, 1, 2)
+        offer = statistics.median(quiet(fresh().offer, calls, (item,)) for _ in range(blocks))
+
+        def begin_end(_: Any) -> None:
+            rec.end(rec.begin("0", "all_reduce", 4, "float32"), True)
+
+        parts_be: list[float] = []
+        for _ in range(blocks):
+            rec = Recorder(job="bench", attempt=0, node="n0", rank=0, sink=fresh())
+            parts_be.append(quiet(begin_end, calls))
+
+        def two_clocks(_: Any) -> None:
+            now_us()
+            now_us()
+
+        clocks = statistics.median(quiet(two_clocks, calls) for _ in range(blocks))
+        nothing = statistics.median(quiet(lambda _: None, calls) for _ in range(blocks))
+        begin_end_us = statistics.median(parts_be) - nothing
+        record = statistics.median(diffs)
+        q1, q3 = quartiles(diffs)
+        recorder.close(timeout=5.0)
+        transport.close(timeout=5.0)
+        dropped = transport.dropped
+        return {
+            "record_us": round(record, 3),
+            "record_us_iqr": [round(q1, 3), round(q3, 3)],
+            "record_us_min_max": [round(min(diffs), 3), round(max(diffs), 3)],
+            "record_blocks": blocks,
+            "record_calls_per_block": calls,
+            "noop_us": round(statistics.median(bare), 3),
+            "sender_us": round(statistics.median(sender), 3),
+            "drain_us": round(statistics.median(drain), 3),
+            "record_us_contended": round(statistics.median(contended_diffs), 3),
+            "all_reduce_us": round(statistics.median(ar_bare), 3),
+            "all_reduce_traced_us": round(statistics.median(ar_traced), 3),
+            "all_reduce_diff_us": round(statistics.median(ar_diffs), 3),
+            "all_reduce_diff_iqr": [round(x, 3) for x in quartiles(ar_diffs)],
+            "parts_us": {
+                "clock_reads_x2": round(clocks - nothing, 3),
+                "transport_offer": round(offer - nothing, 3),
+                "recorder_begin_end_incl_offer_and_clocks": round(begin_end_us, 3),
+                "wrapper_args_and_group": round(record - begin_end_us, 3),
+            },
+            "transport_dropped": dropped,
+            "records_sent": transport.sent,
+        }
+    finally:
+        agent.terminate()
+        try:
+            agent.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def hot_path(args: argparse.Namespace) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEHOUND_")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        [sys.executable, __file__, "--hot-path-worker", "--calls", str(args.calls),
+         "--blocks", str(args.blocks)],
+        env=env, check=True, capture_output=True, text=True, timeout=900,
+    )
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=5, help="on/off pairs (default 5)")
-    parser.add_argument("--steps", type=int, default=400, help="steps per run (default 400)")
+    parser.add_argument("--pairs", type=int, default=6, help="on/off pairs (default 6)")
+    parser.add_argument("--steps", type=int, default=800, help="steps per run (default 800)")
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted runs first (default 1)")
+    parser.add_argument("--nnodes", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--launcher", choices=["instrument", "run"], default="instrument",
+                        help="instrument (default): torchrun's ranks with the recorder and a "
+                             "node agent shipping to the store, what a training node pays; "
+                             "run: under `tracehound run`, whose analysis and embedded store "
+                             "share this machine's cores with the ranks")
+    parser.add_argument("--width", type=int, default=64,
+                        help="hidden width of the demo model (default 64: ~6 ms steps, the "
+                             "worst case; 1024 gives steps of tens of ms)")
+    parser.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
     parser.add_argument("--step-sleep-ms", type=float, default=0.0,
                         help="extra time per step, as a stand-in for a heavier model")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--calls", type=int, default=20000,
+                        help="calls per timed block of the per-event cost (default 20000)")
+    parser.add_argument("--blocks", type=int, default=15,
+                        help="timed blocks per variant of the per-event cost (default 15)")
+    parser.add_argument("--skip-job", action="store_true", help="per-event cost only")
+    parser.add_argument("--skip-hot-path", action="store_true", help="step time only")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--hot-path-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rates: dict[str, list[float]] = {"on": [], "off": []}
-    for i in range(args.pairs):
-        for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
-            with tempfile.TemporaryDirectory(prefix="tracehound-overhead-") as tmp:
-                rate = one_run(mode == "on", args.steps, args.step_sleep_ms, Path(tmp))
-            rates[mode].append(rate)
-            print(f"pair {i + 1}/{args.pairs} recorder {mode}: {rate:.2f} steps/s",
-                  file=sys.stderr, flush=True)
-    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
-    result = {
-        "steps_per_s_recorder_on": round(on, 2),
-        "steps_per_s_recorder_off": round(off, 2),
-        "overhead": round(1.0 - on / off, 4),
-        "step_ms_on": round(1000 / on, 2),
-        "step_ms_off": round(1000 / off, 2),
-        "pairs": args.pairs,
-        "runs_on": [round(r, 2) for r in rates["on"]],
-        "runs_off": [round(r, 2) for r in rates["off"]],
-    }
+    if args.hot_path_worker:
+        print(json.dumps(hot_path_worker(args.calls, args.blocks)))
+        return 0
+    result: dict[str, Any] = {"step_time_ratio": None, "record_us": None}
+    if not args.skip_hot_path:
+        progress("per-event cost ...")
+        result.update(hot_path(args))
+        progress(f"record_us {result['record_us']} (sender_us {result['sender_us']})")
+    if not args.skip_job:
+        result.update(step_time(args))
     if args.json:
         print(json.dumps(result))
     else:

@@ -87,3 +87,24 @@ def test_calls_that_never_end_do_not_stay_the_oldest() -> None:
     rec.begin("0", "all_reduce", 8, "float32")
     g = progress(rec)["0"]
     assert (g.oldest_seq, g.oldest_op) == (3, "broadcast")
+
+
+def test_a_full_in_flight_table_is_pruned_only_after_progress() -> None:
+    # Calls that never end fill the table; rebuilding it on every later call (nothing can go
+    # while nothing completed) would cost each call ~100 us. It is rebuilt once progress allows.
+    from tracehound.agent import recorder as recorder_module
+
+    rec = Recorder(job="job", attempt=0, node="n", rank=0, sink=Sink(), clock=Clock(),
+                   heartbeat_s=0.5, pid=7)
+    cap = recorder_module._MAX_IN_FLIGHT
+    tokens = [rec.begin("0", "all_reduce", 4, "float32") for _ in range(cap)]
+    group = tokens[0][0]
+    table = group.in_flight
+    for _ in range(3):
+        rec.begin("0", "all_reduce", 4, "float32")
+        assert group.in_flight is table and len(table) == cap
+    rec.end(tokens[0], True)
+    rec.end(tokens[1], True)
+    rec.begin("0", "all_reduce", 4, "float32")
+    assert len(group.in_flight) == cap - 1  # the two ended left; the new one is remembered
+    assert progress(rec)["0"].last_completed == 2

@@ -1,0 +1,302 @@
+"""The node agent's telemetry, exported over OTLP/HTTP to a real HTTP receiver on loopback that
+decodes each POST to /v1/metrics with the OTLP protobuf schema (opentelemetry.proto)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+
+from tracehound.agent.telemetry import (
+    JOB_ATTRIBUTE,
+    NODE_ATTRIBUTE,
+    SHIP_DURATION,
+    TelemetryHandle,
+    start_telemetry,
+    telemetry_settings,
+)
+from tracehound.tracing.settings import SettingError
+
+
+class Receiver:
+    """An OTLP/HTTP metrics receiver: keeps every decoded export request and its path."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, ExportMetricsServiceRequest]] = []
+        self.lock = threading.Lock()
+        requests, lock = self.requests, self.lock
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.headers.get("Content-Type") != "application/x-protobuf":
+                    self.send_response(415)
+                    self.end_headers()
+                    return
+                request = ExportMetricsServiceRequest()
+                request.ParseFromString(body)
+                with lock:
+                    requests.append((self.path, request))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Receiver:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def paths(self) -> list[str]:
+        with self.lock:
+            return [path for path, _ in self.requests]
+
+    def latest(self) -> dict[str, Any]:
+        """The latest exported point of each metric: name -> (metric, point, resource attrs)."""
+        out: dict[str, Any] = {}
+        with self.lock:
+            requests = [r for _, r in self.requests]
+        for request in requests:
+            for rm in request.resource_metrics:
+                resource = attrs(rm.resource.attributes)
+                for sm in rm.scope_metrics:
+                    for metric in sm.metrics:
+                        data = metric.WhichOneof("data")
+                        points = getattr(metric, data).data_points
+                        for point in points:
+                            out[metric.name] = (metric, point, resource, sm.scope.name)
+        return out
+
+
+def attrs(values: Iterator[KeyValue] | Any) -> dict[str, str]:
+    return {kv.key: kv.value.string_value for kv in values}
+
+
+class Stats:
+    """What a node agent's `stats()` returns, changeable by the test."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {
+            "received": 120, "rejected": 3, "spooled": 117, "shipped": 100,
+            "shipped_batches": 4, "retries": 2, "refused_batches": 1, "corrupt_lines": 0,
+            "pending_segments": 5, "connections": 2, "process_samples": 7,
+            "stacks_captured": 1, "stacks_failed": 0, "source_polls": 9, "source_records": 8,
+            "source_errors": 1, "source_emit_failed": 0, "dropped": 42,
+        }
+
+    def __call__(self) -> Mapping[str, float]:
+        return dict(self.values)
+
+
+class Batch:
+    batch_id = "node-0/spool/1"
+    lines = (b"{}",)
+
+
+class Sink:
+    """A stand-in for the shipper's store sink: fails when told to."""
+
+    def __init__(self) -> None:
+        self.fail = False
+        self.sent = 0
+
+    def send(self, batch: Any, *, maybe_duplicate: bool) -> int | None:
+        if self.fail:
+            raise OSError("store down")
+        self.sent += 1
+        return 0
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with Receiver() as r:
+        yield r
+
+
+def started(stats: Any, env: Mapping[str, str], **kwargs: Any) -> TelemetryHandle:
+    handle = start_telemetry(stats, job="job-7", node="node-3", env=env, **kwargs)
+    assert handle is not None
+    return handle
+
+
+def test_metrics_arrive_with_their_values_and_job_and_node(receiver: Receiver) -> None:
+    stats = Stats()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url + "/",
+           "OTEL_METRIC_EXPORT_INTERVAL": "3600000"}
+    handle = started(stats, env)
+    try:
+        sink = handle.timed_sink(Sink())
+        assert sink.send(Batch(), maybe_duplicate=False) == 0  # type: ignore[arg-type]
+        assert handle.force_flush()
+        wait_for(lambda: receiver.requests)
+    finally:
+        handle.shutdown()
+    assert set(receiver.paths()) == {"/v1/metrics"}
+    got = receiver.latest()
+    expected = {
+        "tracehound.agent.records.received": 120, "tracehound.agent.records.rejected": 3,
+        "tracehound.agent.records.dropped": 42, "tracehound.agent.records.shipped": 100,
+        "tracehound.agent.spool.pending_segments": 5, "tracehound.agent.store.retries": 2,
+        "tracehound.agent.store.refused": 1, "tracehound.agent.sources.errors": 1,
+        "tracehound.agent.stacks.captured": 1, "tracehound.agent.connections": 2,
+    }
+    for name, value in expected.items():
+        _, point, resource, scope = got[name]
+        assert point.as_int == value or point.as_double == value, name
+        assert attrs(point.attributes) == {JOB_ATTRIBUTE: "job-7", NODE_ATTRIBUTE: "node-3"}
+        assert resource["service.name"] == "tracehound-node-agent"
+        assert resource[NODE_ATTRIBUTE] == "node-3" and resource[JOB_ATTRIBUTE] == "job-7"
+        assert scope == "tracehound.agent"
+    received, _, _, _ = got["tracehound.agent.records.received"]
+    assert received.WhichOneof("data") == "sum" and received.sum.is_monotonic
+    assert received.unit == "{record}"
+    pending, _, _, _ = got["tracehound.agent.spool.pending_segments"]
+    assert pending.WhichOneof("data") == "gauge"
+    assert "tracehound.agent.spool.size" not in got  # no spool_bytes and no spool_dir
+    ship, point, _, _ = got[SHIP_DURATION]
+    assert ship.WhichOneof("data") == "histogram" and ship.unit == "s"
+    assert point.count == 1 and point.sum > 0
+    assert attrs(point.attributes)["outcome"] == "ok"
+
+
+def test_later_exports_follow_the_stats_and_time_failed_shipments(
+    receiver: Receiver, tmp_path: Any
+) -> None:
+    stats = Stats()
+    (tmp_path / "00000001.seg").write_bytes(b"x" * 1000)
+    (tmp_path / "00000002.open").write_bytes(b"y" * 234)
+    env = {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": receiver.url + "/custom/metrics",
+           "OTEL_METRIC_EXPORT_INTERVAL": "100"}
+    handle = started(stats, env, spool_dir=tmp_path)
+    try:
+        wait_for(lambda: "tracehound.agent.records.received" in receiver.latest())
+        stats.values["received"] = 5000
+        stats.values["pending_segments"] = 0
+        inner = Sink()
+        sink = handle.timed_sink(inner)
+        inner.fail = True
+        with pytest.raises(OSError, match="store down"):
+            sink.send(Batch(), maybe_duplicate=True)  # type: ignore[arg-type]
+        # the periodic export (every 100 ms) carries the new values without a flush
+        wait_for(lambda: receiver.latest()["tracehound.agent.records.received"][1].as_int
+                 == 5000)
+    finally:
+        handle.shutdown()
+    assert set(receiver.paths()) == {"/custom/metrics"}
+    got = receiver.latest()
+    assert got["tracehound.agent.spool.pending_segments"][1].as_int == 0
+    assert got["tracehound.agent.spool.size"][1].as_int == 1234
+    _, point, _, _ = got[SHIP_DURATION]
+    assert point.count == 1 and attrs(point.attributes)["outcome"] == "error"
+
+
+def test_a_failing_stats_function_exports_what_it_can_and_never_raises(
+    receiver: Receiver,
+) -> None:
+    calls = 0
+
+    def broken() -> Mapping[str, float]:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("spool directory gone")
+
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_METRIC_EXPORT_INTERVAL": "3600000"}
+    handle = started(broken, env)
+    try:
+        handle.record_ship(0.25, ok=True)
+        assert handle.force_flush()
+        wait_for(lambda: receiver.requests)
+    finally:
+        handle.shutdown()
+    assert calls >= 1
+    got = receiver.latest()
+    assert set(got) == {SHIP_DURATION}
+    assert got[SHIP_DURATION][1].sum == pytest.approx(0.25)
+
+
+def test_nothing_is_started_or_sent_without_an_endpoint(receiver: Receiver) -> None:
+    stats = Stats()
+    assert start_telemetry(stats, job="j", node="n", env={}) is None
+    assert start_telemetry(stats, job="j", node="n", env={
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SDK_DISABLED": "true",
+    }) is None
+    assert start_telemetry(stats, job="j", node="n", env={
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_METRIC_EXPORT_INTERVAL": "10",
+    }) is None
+    time.sleep(0.3)
+    assert receiver.requests == []
+
+
+def test_importing_the_agent_or_its_telemetry_does_not_import_opentelemetry() -> None:
+    code = (
+        "import sys, tracehound.agent, tracehound.agent.telemetry as t\n"
+        "assert t.start_telemetry(dict, job='j', node='n', env={}) is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("env", "variable"), [
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "ftp://x/v1/metrics"},
+     "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:99999"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_METRIC_EXPORT_INTERVAL": "1s"},
+     "OTEL_METRIC_EXPORT_INTERVAL"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_METRIC_EXPORT_INTERVAL": "0"},
+     "OTEL_METRIC_EXPORT_INTERVAL"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+     "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318",
+      "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_SDK_DISABLED": "maybe"},
+     "OTEL_SDK_DISABLED"),
+])
+def test_bad_settings_name_the_variable(env: dict[str, str], variable: str) -> None:
+    with pytest.raises(SettingError, match=variable):
+        start_telemetry(Stats(), job="j", node="n", env=env)
+
+
+def test_settings_pick_the_metrics_endpoint_over_the_base() -> None:
+    settings = telemetry_settings({
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://base:4318",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "https://m:443/x",
+        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",  # the signal's own setting wins
+    })
+    assert settings is not None and settings.endpoint == "https://m:443/x"
+    assert settings.interval_ms == 60000
+    base = telemetry_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://base:4318/otlp/"})
+    assert base is not None and base.endpoint == "http://base:4318/otlp/v1/metrics"
