@@ -3,8 +3,9 @@
 Two nodes of two gloo ranks and one spare node train a small model with checkpoints; each node's
 agent samples two simulated GPUs. When the job reaches `fault_step`, one rank is stopped
 (SIGSTOP, a hang) or killed (SIGKILL, a crash) from outside, as a broken GPU or a kernel would,
-or its GPU reports Xid 79 (fallen off the bus) and the rank freezes (`xid`). Tracehound has to name that rank and its node,
-isolate the node, restart on the spare from the latest complete checkpoint, and finish training.
+or its GPU reports Xid 79 (fallen off the bus) and the rank freezes (`xid`). Tracehound has to
+name that rank and its node, isolate the node, restart on the spare from the latest complete
+checkpoint, and finish training.
 The report compares what was injected with what was found, and times each phase.
 """
 
