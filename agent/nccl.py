@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from tracehound.agent.procwatch import parse_environ
 from tracehound.tracing import logs
 from tracehound.tracing.events import (
     CollectiveEvent,
@@ -689,12 +690,7 @@ def _environ(path: Path) -> dict[str, str] | None:
         raw = path.read_bytes()
     except OSError:
         return None
-    out: dict[str, str] = {}
-    for item in raw.split(b"\0"):
-        name, sep, value = item.partition(b"=")
-        if sep:
-            out[name.decode(errors="replace")] = value.decode(errors="replace")
-    return out
+    return parse_environ(raw)
 
 
 class LocalRanks:

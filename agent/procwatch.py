@@ -110,6 +110,17 @@ def parse_stat(text: str, clock_ticks: int) -> tuple[str, float, int]:
     return fields[0], (utime + stime) / clock_ticks, start
 
 
+def parse_environ(raw: bytes) -> dict[str, str]:
+    """The variables of a `/proc/PID/environ` (NUL-separated NAME=value; undecodable bytes
+    replaced)."""
+    out: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep:
+            out[name.decode(errors="replace")] = value.decode(errors="replace")
+    return out
+
+
 def parse_io(text: str) -> tuple[int, int]:
     """(read_bytes, write_bytes) from `/proc/PID/io`; raises ValueError if either is missing."""
     values: dict[str, int] = {}

@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tracehound.agent.procwatch import PySpy, StackCaptureError, StackCapturer, find_py_spy
+from tracehound.agent.procwatch import (
+    PySpy,
+    StackCaptureError,
+    StackCapturer,
+    find_py_spy,
+    parse_environ,
+)
 from tracehound.tracing.events import Batch, Heartbeat, StackSample, now_us
 from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.settings import (
@@ -124,11 +130,7 @@ def _read_proc(root: Path, pid: int) -> _Proc | None:
     fields = stat[close + 1:].split()
     if close < 0 or len(fields) < 20:
         return None
-    env: dict[str, str] = {}
-    for item in raw_env.split(b"\0"):
-        name, sep, value = item.partition(b"=")
-        if sep:
-            env[name.decode(errors="replace")] = value.decode(errors="replace")
+    env = parse_environ(raw_env)
     comm = stat[stat.find("(") + 1:close]
     return _Proc(pid=pid, ppid=int(fields[1]), comm=comm, start_ticks=int(fields[19]), env=env)
 

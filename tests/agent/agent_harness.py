@@ -154,6 +154,13 @@ def run_job(
         )
         for r in range(world)
     ]
+    return collect(procs, timeout)
+
+
+def collect(procs: Sequence[subprocess.Popen[bytes]], timeout: float
+            ) -> list[tuple[int, str]]:
+    """(exit code, output) of each process; all are killed once `timeout` seconds passed (a
+    hung job fails its test instead of hanging the suite)."""
     out: list[tuple[int, str]] = []
     deadline = time.monotonic() + timeout
     for proc in procs:

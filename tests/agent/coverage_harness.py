@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent_harness import PYTHON, free_port, rank_env
+from agent_harness import PYTHON, collect, free_port, rank_env
 
 from tracehound.tracing.events import (
     CollectiveEvent,
@@ -145,18 +145,10 @@ def run_scenario(
                 [PYTHON, JOB, scenario], env=rank_environ,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             ))
-        outputs: list[str] = []
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                text, _ = proc.communicate()
-            outputs.append(text.decode(errors="replace"))
-        for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-            assert proc.returncode == 0, f"rank {rank}:\n{output}"
+        done = collect(procs, timeout)
+        outputs = [output for _, output in done]
+        for rank, (code, output) in enumerate(done):
+            assert code == 0, f"rank {rank}:\n{output}"
             assert "tracehound recorder error" not in output, output
             assert "tracehound could not patch" not in output, output
         collector.drain()
