@@ -324,6 +324,7 @@ class _Installer:
         spec = _spec(op, original)
         recorder = self.recorder
         local = _local
+        returns_peer = spec.returns_peer
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -349,7 +350,10 @@ class _Installer:
             local.depth -= 1
             if token is not None:
                 try:
-                    self.finish(spec, token, is_async, result)
+                    if is_async or returns_peer:
+                        self.finish(spec, token, is_async, result)
+                    else:  # the common case, without a call in between
+                        recorder.end(token, True)
                 except Exception as exc:
                     recorder.note_error(op, exc)
             return result
