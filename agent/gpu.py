@@ -272,7 +272,6 @@ class SimulatedGpus:
     node: str = ""
     faults_file: str | None = None
     seed: int = 0
-    clock_us: Callable[[], int] | None = None
     name: str = "sim"
     _gpus: list[_SimGpu] = field(default_factory=list)
     _events: list[XidEvent] = field(default_factory=list)

@@ -71,6 +71,7 @@ from tracehound.tracing.events import Heartbeat, Record
 from tracehound.tracing.settings import (
     DEFAULT_GPU,
     DEFAULT_HEALTH_INTERVAL_S,
+    DEFAULT_NCCL_RAS,
     DEFAULT_SIM_GPUS,
     GPU_BACKENDS,
     NCCL_RAS_MODES,
@@ -459,7 +460,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if args.sim_gpus is None:
             args.sim_gpus = env_int(TRACEHOUND_SIM_GPUS, DEFAULT_SIM_GPUS, env=env)
         if args.nccl_ras is None:
-            args.nccl_ras = env_choice(TRACEHOUND_NCCL_RAS, "auto", NCCL_RAS_MODES, env=env)
+            args.nccl_ras = env_choice(TRACEHOUND_NCCL_RAS, DEFAULT_NCCL_RAS, NCCL_RAS_MODES,
+                                       env=env)
     except SettingError as exc:
         parser.error(str(exc))
     if args.sim_gpus < 0:

@@ -16,6 +16,7 @@ stop (torchrun stops its ranks); the agent still ships what it got.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -28,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tracehound.controller.local import bootstrap_dir
+from tracehound.controller.local import recorder_env
 from tracehound.tracing import settings as env
 from tracehound.tracing.ids import JobId
 
@@ -97,19 +98,6 @@ def cmd_agent(args: argparse.Namespace) -> NoReturn:
                               "tracehound agent", *args.agent_args])
 
 
-def recorder_env(*, job: str, node: str, socket_path: str,
-                 base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables that put the recorder into every Python process started with them."""
-    base = os.environ if base is None else base
-    return {
-        env.TRACEHOUND_JOB_ID: job,
-        env.TRACEHOUND_NODE_ID: node,
-        env.TRACEHOUND_AGENT_SOCKET: socket_path,
-        "PYTHONPATH": os.pathsep.join(p for p in (bootstrap_dir(), base.get("PYTHONPATH", ""))
-                                      if p),
-    }
-
-
 def _job(args: argparse.Namespace) -> str:
     return str(args.job or env.env_str(env.TRACEHOUND_JOB_ID)
                or time.strftime("job-%Y%m%d-%H%M%S"))
@@ -168,8 +156,8 @@ def cmd_instrument(args: argparse.Namespace) -> int:
                     print(format_verdict(outcome), file=sys.stderr)
         url = session.url
     if args.json:
-        print(_dumps({"job": job, "node": node, "store": url, "exit_status": code,
-                      "agent": stats, "diagnosis": verdict}))
+        print(json.dumps({"job": job, "node": node, "store": url, "exit_status": code,
+                          "agent": stats, "diagnosis": verdict}, default=str))
     else:
         print(f"tracehound instrument: job {job}: command exited with status {code}; "
               f"{stats.get('shipped', 0)} records shipped to {url} "
@@ -193,16 +181,8 @@ def _run_command(command: list[str], extra: Mapping[str, str]) -> int:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    import json
-
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _dumps(data: Any) -> str:
-    import json
-
-    return json.dumps(data, default=str)

@@ -52,6 +52,21 @@ def bootstrap_dir() -> str:
     return str(next(iter(spec.submodule_search_locations)))
 
 
+def recorder_env(*, job: str, node: str, socket_path: str,
+                 base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that put the recorder into every Python process started with them: the
+    job, the node, the node agent's socket, and the bootstrap directory first on PYTHONPATH
+    (`base`'s PYTHONPATH after it; default: this process's environment)."""
+    base = os.environ if base is None else base
+    return {
+        env.TRACEHOUND_JOB_ID: job,
+        env.TRACEHOUND_NODE_ID: node,
+        env.TRACEHOUND_AGENT_SOCKET: socket_path,
+        "PYTHONPATH": os.pathsep.join(p for p in (bootstrap_dir(), base.get("PYTHONPATH", ""))
+                                      if p),
+    }
+
+
 @dataclass
 class _Proc:
     rank: int
@@ -111,7 +126,6 @@ class LocalOrchestrator:
         self._ranks = []
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         master_port = free_port()
-        boot = bootstrap_dir()
         logdir = self.workdir / "logs" / f"attempt-{plan.attempt}"
         logdir.mkdir(parents=True, exist_ok=True)
         world = plan.world_size
@@ -138,15 +152,10 @@ class LocalOrchestrator:
                     "TORCHELASTIC_USE_AGENT_STORE": "False",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                     "PYTHONUNBUFFERED": "1",
-                    env.TRACEHOUND_JOB_ID: plan.job,
                     env.TRACEHOUND_ATTEMPT: str(plan.attempt),
-                    env.TRACEHOUND_NODE_ID: node,
-                    env.TRACEHOUND_AGENT_SOCKET: str(sock),
                     env.TRACEHOUND_CHECKPOINT_DIR: str(self.checkpoint_dir),
                     env.TRACEHOUND_HEARTBEAT_S: str(self.heartbeat_s),
-                    "PYTHONPATH": os.pathsep.join(
-                        p for p in (boot, os.environ.get("PYTHONPATH", "")) if p
-                    ),
+                    **recorder_env(job=plan.job, node=node, socket_path=str(sock)),
                 }
                 out = open(logdir / f"rank-{rank}.log", "ab")  # noqa: SIM115
                 popen = subprocess.Popen(

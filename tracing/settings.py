@@ -106,6 +106,8 @@ The node agent's --nccl-ras."""
 
 NCCL_RAS_MODES = ("auto", "on", "off")
 
+DEFAULT_NCCL_RAS = "auto"
+
 TRACEHOUND_NCCL_INSPECTOR_DIR = "TRACEHOUND_NCCL_INSPECTOR_DIR"
 """Directory of NCCL Inspector's JSON lines that a node agent tails (default: the job's
 NCCL_INSPECTOR_DUMP_DIR when the agent sees it; unset: not read). The node agent's
