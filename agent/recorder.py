@@ -108,8 +108,6 @@ class _Group:
         self.name = name
         self.last_enqueued = 0
         self.last_completed = 0
-        # the newest call entered while the in-flight table was full (heartbeats read the newest
-        # call from the table otherwise)
         self.pending_op = ""
         self.pending_nbytes = 0
         self.pending_dtype = ""
@@ -243,6 +241,9 @@ class Recorder:
             group = self._groups.get(group_name) or self._group(group_name)
             seq = group.last_enqueued + 1
             group.last_enqueued = seq
+            group.pending_op = op
+            group.pending_nbytes = nbytes
+            group.pending_dtype = dtype
             group.last_enqueue_us = now
             in_flight = group.in_flight
             if len(in_flight) >= _MAX_IN_FLIGHT:
@@ -252,8 +253,6 @@ class Recorder:
                     in_flight = group.in_flight = {k: v for k, v in in_flight.items()
                                                    if k > done}
                 if len(in_flight) >= _MAX_IN_FLIGHT:
-                    # the table is full: the newest call is remembered on its own
-                    group.pending_op, group.pending_nbytes, group.pending_dtype = op, nbytes, dtype
                     return (group, seq, op, nbytes, dtype, peer, now)
             in_flight[seq] = (op, nbytes, dtype, now)
         return (group, seq, op, nbytes, dtype, peer, now)
@@ -267,16 +266,14 @@ class Recorder:
             if seq > group.last_completed:
                 group.last_completed = seq
                 group.last_complete_us = now
-        if self._disabled:
-            return
-        try:  # _offer, inlined: this runs once per operation on the training thread
-            if not self.sink.offer((
-                self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes,
-                dtype, token_peer if peer is None else peer, not ok, enqueued, now,
-            )):
-                self._dropped += 1
-        except Exception as exc:
-            self.note_error("sink.offer", exc)
+            if group.last_completed >= group.last_enqueued:
+                group.pending_op = ""
+                group.pending_nbytes = 0
+                group.pending_dtype = ""
+        self._offer((
+            self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes, dtype,
+            token_peer if peer is None else peer, not ok, enqueued, now,
+        ))
 
     def poll_later(self, work: Any, token: Token, *, ordered: bool = False) -> None:
         """Watch an async work without a future (gloo send/recv) from the heartbeat thread.
@@ -378,21 +375,11 @@ class Recorder:
     @staticmethod
     def _progress(g: _Group) -> GroupProgress:
         oldest_seq, oldest_op, oldest_nbytes, oldest_dtype = g.oldest()
-        # the pending call is the newest one entered, while not everything entered completed;
-        # worked out here rather than written on every call
-        pending_op, pending_nbytes, pending_dtype = "", 0, ""
-        if g.last_completed < g.last_enqueued:
-            newest = g.in_flight.get(g.last_enqueued)
-            if newest is not None:
-                pending_op, pending_nbytes, pending_dtype = newest[0], newest[1], newest[2]
-            else:  # the in-flight table was full when it was entered
-                pending_op, pending_nbytes, pending_dtype = (
-                    g.pending_op, g.pending_nbytes, g.pending_dtype)
         return GroupProgress(
             group=GroupId(g.name), last_enqueued=g.last_enqueued,
-            last_completed=g.last_completed, pending_op=pending_op,
+            last_completed=g.last_completed, pending_op=g.pending_op,
             last_enqueue_us=g.last_enqueue_us, last_complete_us=g.last_complete_us,
-            pending_nbytes=pending_nbytes, pending_dtype=pending_dtype,
+            pending_nbytes=g.pending_nbytes, pending_dtype=g.pending_dtype,
             oldest_seq=oldest_seq, oldest_op=oldest_op, oldest_nbytes=oldest_nbytes,
             oldest_dtype=oldest_dtype,
         )
