@@ -15,9 +15,15 @@ majority is the culprit; Flight Recorder's own analyzer blames whichever side it
    every member. Members whose heartbeats carry no dtype (older recorders) have no say on size
    and dtype; the exempt ops' sizes are not compared.
 3. Sequence shift: every member of a group is still reporting and pending in it, a strict
-   majority on one sequence id `s` for `hang_after_s`, and a minority pending on another id. The
-   minority issued an extra (ahead) or a missing (behind) collective. Control dependency alone
-   would blame the majority for a shift ahead (they "never entered" the minority's collective).
+   majority on one sequence id `s` for `hang_after_s`, and a minority pending on another id that
+   it entered at least `hang_after_s` before the last heartbeat of every member. The minority
+   issued an extra (ahead) or a missing (behind) collective. Control dependency alone would
+   blame the majority for a shift ahead (they "never entered" the minority's collective). The
+   heartbeats of one snapshot are not taken at one moment: a rank that has just come back from
+   a long pause (a checkpoint write) runs through the calls its peers waited in and enters the
+   next ones before its peers' next heartbeats say those calls completed. Requiring the
+   majority still pending `hang_after_s` after the minority entered its call keeps that from
+   reading as a shift.
 
 A vote needs a majority. When the group has none (two members that disagree), its sibling
 groups decide (recorded collectives only): the other groups of the window with as many members
@@ -160,16 +166,18 @@ def _from_pending_shapes(
 
 def _from_pending(
     group: str,
-    entries: Sequence[tuple[int, GroupProgress, bool]],
+    entries: Sequence[tuple[int, GroupProgress, int]],
     members: int,
     hang_us: int,
     now_us: int,
     *,
+    fresh_after_us: int = 0,
     exempt: tuple[str, ...] = (),
 ) -> list[_Finding]:
-    """Findings of one group from its members' heartbeats: (rank, progress, fresh) per member
-    that reported progress in the group; `members` is the group's size."""
-    pending = [(r, g, fresh) for r, g, fresh in entries if g.pending_op]
+    """Findings of one group from its members' heartbeats: (rank, progress, heartbeat time) per
+    member that reported progress in the group; `members` is the group's size; heartbeats
+    before `fresh_after_us` are stale."""
+    pending = [(r, g, beat_us) for r, g, beat_us in entries if g.pending_op]
     findings: list[_Finding] = []
     by_seq: dict[int, list[tuple[int, GroupProgress]]] = {}
     for r, g, _ in pending:
@@ -196,7 +204,8 @@ def _from_pending(
     if findings:
         return findings
     # 3. sequence shift: everyone reporting and pending here, a strict majority stalled on one id
-    if len(pending) != members or len(by_seq) < 2 or not all(fresh for *_, fresh in pending):
+    if (len(pending) != members or len(by_seq) < 2
+            or not all(beat_us >= fresh_after_us for *_, beat_us in pending)):
         return findings
     seq, rows = max(by_seq.items(), key=lambda kv: (len(kv[1]), -kv[0]))
     if 2 * len(rows) <= members:
@@ -205,6 +214,10 @@ def _from_pending(
         return findings
     op = rows[0][1].pending_op
     culprits = tuple(sorted(r for r, g, _ in pending if g.last_enqueued != seq))
+    # every member still pending where it is `hang_us` after the culprits entered their calls
+    entered_us = max(g.last_enqueue_us for r, g, _ in pending if r in culprits)
+    if min(beat_us for *_, beat_us in pending) < entered_us + hang_us:
+        return findings
     theirs = {
         r: f"{g.pending_op} #{g.last_enqueued}" for r, g, _ in pending if r in culprits
     }
@@ -221,14 +234,13 @@ def _pending_findings(obs: Observation, settings: DetectionSettings) -> list[_Fi
     exited = {e.rank for e in snap.exits}
     fresh_after = snap.now_us - int(settings.heartbeat_timeout_s * US_PER_S)
     hang_us = int(settings.hang_after_s * US_PER_S)
-    by_group: dict[str, list[tuple[int, GroupProgress, bool]]] = {}
+    by_group: dict[str, list[tuple[int, GroupProgress, int]]] = {}
     pending_groups: set[str] = set()
     for hb in snap.heartbeats:
         if hb.rank in exited:
             continue
-        fresh = hb.time_us >= fresh_after
         for g in hb.groups:
-            by_group.setdefault(g.group, []).append((int(hb.rank), g, fresh))
+            by_group.setdefault(g.group, []).append((int(hb.rank), g, int(hb.time_us)))
             if g.pending_op:
                 pending_groups.add(g.group)
     sizes: dict[str, int] = {}
@@ -242,8 +254,9 @@ def _pending_findings(obs: Observation, settings: DetectionSettings) -> list[_Fi
         size = max(sizes.get(group, 0), len(entries))
         # the call each member is blocked on first (the oldest in flight), then the last entered
         found: list[_Finding] = []
-        for view in ([(r, _blocked_on(g), fresh) for r, g, fresh in entries], entries):
+        for view in ([(r, _blocked_on(g), beat_us) for r, g, beat_us in entries], entries):
             found = _from_pending(group, view, size, hang_us, snap.now_us,
+                                  fresh_after_us=fresh_after,
                                   exempt=settings.mismatch_size_exempt_ops)
             if found:
                 break

@@ -133,6 +133,26 @@ def test_a_shift_is_not_judged_before_the_hang_threshold() -> None:
     assert detect_mismatch(obs, SETTINGS) is None
 
 
+def test_a_rank_back_from_a_pause_is_not_read_as_a_shift_before_its_peers_report_again() -> None:
+    # Rank 0 wrote a checkpoint for 20 s while ranks 1-3 waited in #32. Back, it runs through
+    # #32 and enters #33..#39 (gradient buckets) before ranks 1-3 next report #32 complete:
+    # their last heartbeats, taken before rank 0 came back, still say pending in #32.
+    waited = NOW - 20 * S
+    back = NOW - S // 2
+    members = {"dp-0": [0, 1, 2, 3]}
+    beats = [beat(r, back - S // 10, progress("dp-0", 32, 31, enq_us=waited)) for r in (1, 2, 3)]
+    beats.append(beat(0, NOW - S // 10, progress("dp-0", 39, 32, enq_us=back)))
+    obs = observe(snapshot(NOW, 4, beats, members))
+    assert detect_mismatch(obs, SETTINGS) is None
+    # The same picture `hang_after_s` later, everybody having reported since, is a shift.
+    later = NOW + 6 * S
+    beats = [beat(r, later - S // 10, progress("dp-0", 32, 31, enq_us=waited)) for r in (1, 2, 3)]
+    beats.append(beat(0, later - S // 10, progress("dp-0", 39, 32, enq_us=back)))
+    verdict = detect_mismatch(observe(snapshot(later, 4, beats, members)), SETTINGS)
+    assert verdict is not None and verdict.culprit_ranks == (0,)
+    assert "issued 7 collective(s) more" in verdict.summary
+
+
 def test_healthy_group_in_flight_has_no_mismatch() -> None:
     # Members pass through #66 and #67 at slightly different moments: same op on every id.
     beats = [beat(r, NOW - S // 10, progress("tp-0", 66 + r % 2, 65 + r % 2,
