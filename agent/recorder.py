@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -59,6 +60,8 @@ training thread; the frozen dataclass costs ~5 us, so it is built on the sender'
 
 Pending = Record | RawCollective
 """What the recorder hands to its sink."""
+
+_time_ns = time.time_ns
 
 _MAX_LOGGED_ERRORS = 5
 _MAX_IN_FLIGHT = 4096
@@ -172,6 +175,9 @@ class Recorder:
         self.rank = rank
         self.sink = sink
         self.clock = clock
+        self._wall = clock is now_us
+        """The clock is the wall clock: begin/end read it inline (`_time_ns() // 1000`), without
+        the Python call (0.05 us of the 2 us a record may cost)."""
         self.heartbeat_s = heartbeat_s
         self.inflight_s = inflight_s
         """A call pending longer than this switches heartbeats to `inflight_heartbeat_s`."""
@@ -236,8 +242,12 @@ class Recorder:
 
     def begin(self, group_name: str, op: str, nbytes: int, dtype: str, peer: int = -1) -> Token:
         """This rank enters an operation of a group: the group's next sequence id is taken."""
-        now = self.clock()
-        with self._lock:
+        now = _time_ns() // 1000 if self._wall else self.clock()
+        # acquire/release rather than `with`: half the cost (0.06 against 0.15 us) on a path
+        # every collective takes twice
+        lock = self._lock
+        lock.acquire()
+        try:
             group = self._groups.get(group_name) or self._group(group_name)
             seq = group.last_enqueued + 1
             group.last_enqueued = seq
@@ -255,13 +265,17 @@ class Recorder:
                 if len(in_flight) >= _MAX_IN_FLIGHT:
                     return (group, seq, op, nbytes, dtype, peer, now)
             in_flight[seq] = (op, nbytes, dtype, now)
+        finally:
+            lock.release()
         return (group, seq, op, nbytes, dtype, peer, now)
 
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
         """The operation `token` finished (ok) or failed on this rank; queue its event."""
         group, seq, op, nbytes, dtype, token_peer, enqueued = token
-        now = self.clock()
-        with self._lock:
+        now = _time_ns() // 1000 if self._wall else self.clock()
+        lock = self._lock
+        lock.acquire()
+        try:
             group.in_flight.pop(seq, None)
             if seq > group.last_completed:
                 group.last_completed = seq
@@ -270,10 +284,18 @@ class Recorder:
                 group.pending_op = ""
                 group.pending_nbytes = 0
                 group.pending_dtype = ""
-        self._offer((
-            self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes, dtype,
-            token_peer if peer is None else peer, not ok, enqueued, now,
-        ))
+        finally:
+            lock.release()
+        if self._disabled:
+            return
+        try:  # _offer, inline
+            if not self.sink.offer((
+                self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes, dtype,
+                token_peer if peer is None else peer, not ok, enqueued, now,
+            )):
+                self._dropped += 1
+        except Exception as exc:
+            self.note_error("sink.offer", exc)
 
     def poll_later(self, work: Any, token: Token, *, ordered: bool = False) -> None:
         """Watch an async work without a future (gloo send/recv) from the heartbeat thread.

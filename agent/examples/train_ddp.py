@@ -159,10 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     if timed_from and timed > 0:
         rate = timed / (time.perf_counter() - timed_from)
         print(f"rank {rank}/{world}: {timed} steps at {rate:.2f} steps/s", flush=True)
-    dist.barrier()
+    # The final barrier's work stays referenced until the interpreter exits. When the last
+    # reference to a gloo work is dropped on gloo's own thread, its destructor there needs the
+    # GIL; if this thread meanwhile frees the model (DDP's reducer holds the process group) and
+    # so joins gloo's threads while holding the GIL, the process never exits (seen in about 1
+    # of 10 short runs, recorder on or off).
+    final = dist.barrier(async_op=True)
+    final.wait()
+    _KEPT_WORKS.append(final)
     dist.destroy_process_group()
     print(f"rank {rank}/{world}: finished at step {args.steps}", flush=True)
     return 0
+
+
+_KEPT_WORKS: list[Any] = []
 
 
 if __name__ == "__main__":

@@ -26,13 +26,30 @@ def fact(**values: Any) -> None:
 
 
 def ddp(rank: int, world: int) -> None:
+    """Three steps; each checks that the gradients DDP left (through the recorder's comm hook)
+    are the mean of every rank's gradients, computed here without DDP."""
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    reference = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.0001)  # a bucket per parameter
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(3):
+    for step in range(3):
+        inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + r))
+                  for r in range(world)]
         opt.zero_grad()
-        model(torch.randn(8, 16)).sum().backward()
+        model(inputs[rank]).sum().backward()
+        reference.load_state_dict(net.state_dict())
+        reference.zero_grad()
+        for x in inputs:
+            (reference(x).sum() / world).backward()
+        averaged = all(
+            p.grad is not None and q.grad is not None
+            and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            for p, q in zip(net.parameters(), reference.parameters(), strict=True)
+        )
+        fact(kind="ddp_step", step=step, averaged=averaged)
         opt.step()
 
 

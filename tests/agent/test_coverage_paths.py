@@ -23,8 +23,15 @@ def test_ddp_gradient_all_reduces(tmp_path: Path) -> None:
     run = run_scenario("ddp", 2, tmp_path)
     calls = assert_same_calls(run)
     assert group_ranks(run)["0"] == (0, 1)
-    # DDP's gradient buckets go through the trampoline's all_reduce: at least one per step
-    assert ops_of(calls["0"]).count("all_reduce") >= 3
+    # DDP's gradient buckets go through the trampoline's all_reduce: with a tiny bucket cap,
+    # more than one per step
+    assert ops_of(calls["0"]).count("all_reduce") > 3
+    # ... and the gradients are what DDP without the recorder gives: the mean over ranks
+    steps = [[f for f in facts if f["kind"] == "ddp_step"] for facts in run.facts]
+    assert [[f["averaged"] for f in s] for s in steps] == [[True] * 3, [True] * 3]
+    ends = {(e.rank, e.seq): e.complete_us - e.enqueue_us for e in run.events
+            if isinstance(e, CollectiveEvent) and e.group == "0"}
+    assert all(d >= 0 for d in ends.values())
 
 
 def test_fsdp2_all_gathers_and_reduce_scatters(tmp_path: Path) -> None:
