@@ -67,7 +67,7 @@ import inspect
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -656,6 +656,21 @@ class DdpStats:
 ddp_stats = DdpStats()
 """How many DDP models got the trampoline, and how many were left alone (see the log)."""
 
+_untraced_ddp = threading.local()
+
+
+@contextlib.contextmanager
+def untraced_ddp() -> Iterator[None]:
+    """DDP models constructed in this block (on this thread) keep DDP's own C++ gradient
+    all-reduce: no trampoline, their buckets are not traced (what bench/overhead.py compares
+    against). Counted in `ddp_stats.skipped`."""
+    before = getattr(_untraced_ddp, "on", False)
+    _untraced_ddp.on = True
+    try:
+        yield
+    finally:
+        _untraced_ddp.on = before
+
 
 def _unsafe_reason(model: Any) -> str:
     if getattr(model, "_comm_hooks", None):
@@ -688,7 +703,8 @@ def install_ddp(recorder: Recorder) -> bool:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         try:
-            reason = _unsafe_reason(self)
+            reason = ("asked for (untraced_ddp)" if getattr(_untraced_ddp, "on", False)
+                      else _unsafe_reason(self))
             if reason:
                 ddp_stats.skipped += 1
                 log.info("tracehound leaves this DDP model's gradient all-reduce untraced: %s",

@@ -18,7 +18,8 @@ sources (`agent.sources`): GPUs through NVML or simulated ones (`agent.gpu`, --g
 --health-interval seconds (10; 0: off), and NCCL's own views where asked (`agent.nccl`: RAS
 status, --nccl-ras; Inspector's collective logs, --nccl-inspector-dir). These records go to the
 spool like the ranks' own. With OTEL_EXPORTER_OTLP_ENDPOINT set, the agent's own counters go out
-over OTLP (`agent.telemetry`). SIGTERM/SIGINT: stop accepting, ship what is left for at most
+over OTLP (`agent.telemetry`), and with TRACEHOUND_OTEL_SPANS_EVERY=N as well, every Nth
+collective of each group as spans. SIGTERM/SIGINT: stop accepting, ship what is left for at most
 --drain-s seconds (10), exit 0; whatever could not be shipped stays in DIR for the next agent
 started on it.
 
@@ -64,10 +65,10 @@ from tracehound.agent.spool import (
     Spool,
     StoreSink,
 )
-from tracehound.agent.telemetry import start_telemetry
+from tracehound.agent.telemetry import CollectiveSpans, start_spans, start_telemetry
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreConfigError
-from tracehound.tracing.events import Heartbeat, Record
+from tracehound.tracing.events import CollectiveEvent, Heartbeat, Record
 from tracehound.tracing.settings import (
     DEFAULT_GPU,
     DEFAULT_HEALTH_INTERVAL_S,
@@ -141,12 +142,14 @@ class NodeAgent:
         watcher: ProcWatcher | None = None,
         sources: SourcePoller | None = None,
         heartbeat_observers: Sequence[Callable[[Heartbeat], None]] = (),
+        spans: CollectiveSpans | None = None,
     ) -> None:
         """`watcher` (optional) is told every heartbeat, and started and stopped with the agent;
         `sources` (optional) polls the node's health, NCCL and other sources while the agent
         runs. Give both `spool_writer(spool)` as their emit so their records ship with the
         ranks'. `heartbeat_observers` are told every heartbeat too (an observer that raises is
-        logged, never fatal)."""
+        logged, never fatal). `spans` (optional) is handed every collective received, to export
+        the sampled ones as OpenTelemetry spans."""
         self.job = job
         self.node = node
         self.socket_path = socket_path
@@ -160,6 +163,7 @@ class NodeAgent:
         self.watcher = watcher
         self.sources = sources
         self.heartbeat_observers = list(heartbeat_observers)
+        self.spans = spans
         self._dropped: dict[tuple[str, int, int], int] = {}
         """The latest `dropped` count each rank's heartbeats reported (records it could not
         hand to this agent)."""
@@ -290,6 +294,8 @@ class NodeAgent:
         """Validate lines from a rank and spool the good ones."""
         good: list[bytes] = []
         beats: list[Heartbeat] = []
+        spans = self.spans
+        collectives: list[CollectiveEvent] = []
         for raw in lines:
             line = raw.strip()
             if not line:
@@ -303,9 +309,14 @@ class NodeAgent:
             if isinstance(record, Heartbeat):
                 beats.append(record)
                 self._dropped[(record.job, record.attempt, record.rank)] = record.dropped
+            elif spans is not None and isinstance(record, CollectiveEvent):
+                collectives.append(record)
         if good:
             self.spool.stats.received += len(good)
             self.spool.append(good)
+        if spans is not None:
+            for event in collectives:
+                spans.observe(event)
         observers = [*self.heartbeat_observers]
         if self.watcher is not None:
             observers.insert(0, self.watcher.observe)
@@ -332,6 +343,9 @@ class NodeAgent:
         values.update(asdict(self.watcher.stats if self.watcher is not None else WatchStats()))
         if self.sources is not None:
             values.update(self.sources.flat_stats())
+        if self.spans is not None:
+            values["spans_exported"] = self.spans.exported
+            values["spans_dropped"] = self.spans.dropped
         return values
 
     def log_stats(self) -> None:
@@ -560,6 +574,8 @@ def run_agent(args: argparse.Namespace) -> int:
         # nothing starts unless OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT is set
         telemetry = start_telemetry(agent.stats, job=args.job, node=args.node,
                                     spool_dir=args.spool)
+        # nor unless TRACEHOUND_OTEL_SPANS_EVERY is
+        agent.spans = start_spans(args.job, args.node)
     except SettingError as exc:
         print(f"tracehound node agent: {exc}", file=sys.stderr)
         return 2
@@ -580,6 +596,8 @@ def run_agent(args: argparse.Namespace) -> int:
     agent.stop(drain_s=args.drain_s)
     if telemetry is not None:
         telemetry.shutdown()
+    if agent.spans is not None:
+        agent.spans.shutdown()
     return 0
 
 

@@ -9,6 +9,14 @@ OTEL_EXPORTER_OTLP_ENDPOINT (`/v1/metrics` appended). With neither set, or OTEL_
 nothing is started and nothing is imported. `TelemetryHandle.timed_sink` wraps the shipper's sink
 so each shipment's duration lands in a histogram.
 
+Sampled collectives as spans (`start_spans`): with TRACEHOUND_OTEL_SPANS_EVERY=N the agent
+exports every Nth collective (by sequence id, per process group) its ranks report as one span per
+rank, from the rank's entry to its completion, over OTLP/HTTP to
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (as it is) or OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces. The
+spans of one collective on all ranks share a trace id made from (job, attempt, group, sequence
+id), so a trace viewer shows the collective across the job as one trace, under a parent that is
+never exported. Spans the exporter's queue cannot take are counted (`spans_dropped`).
+
 Only the node agent may use this module: opentelemetry is imported lazily, inside
 `start_telemetry`, and never in a training process. Telemetry must never break the agent: a
 failing `stats()` is logged and skipped, a collector that is down only costs a failed export, and
@@ -17,6 +25,7 @@ only bad OTEL_* values (SettingError naming the variable) raise, at start.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -24,10 +33,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 from urllib.parse import urlsplit
 
-from tracehound.tracing.settings import SettingError
+from tracehound.tracing.events import CollectiveEvent, CollectiveState
+from tracehound.tracing.settings import TRACEHOUND_OTEL_SPANS_EVERY, SettingError, env_int
 
 if TYPE_CHECKING:
     from tracehound.agent.spool import BatchSink, SpooledBatch
@@ -192,6 +202,198 @@ def telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySetting
         if interval_ms <= 0:
             raise SettingError(f"{OTEL_METRIC_EXPORT_INTERVAL}={raw!r}: expected milliseconds > 0")
     return TelemetrySettings(endpoint=endpoint, interval_ms=interval_ms)
+
+
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+"""Full URL spans are posted to, e.g. http://collector:4318/v1/traces (wins over the base)."""
+
+OTEL_EXPORTER_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+TRACES_PATH = "/v1/traces"
+
+SPAN_QUEUE = 4096
+"""Spans waiting for export at most; past it new ones are dropped and counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpanSettings:
+    """What TRACEHOUND_OTEL_SPANS_EVERY and the OTEL_* variables ask for."""
+
+    endpoint: str
+    """URL spans are posted to (…/v1/traces)."""
+    every: int
+    """Every how many sequence ids of a group a collective is exported."""
+
+
+def span_settings(env: Mapping[str, str] | None = None) -> SpanSettings | None:
+    """The span export `env` (default: the process environment) asks for; None when
+    TRACEHOUND_OTEL_SPANS_EVERY is unset or 0 (or OTEL_SDK_DISABLED). SettingError, naming the
+    variable, for a value that cannot be used or spans asked for without an endpoint."""
+    source = os.environ if env is None else env
+    every = env_int(TRACEHOUND_OTEL_SPANS_EVERY, 0, env=source)
+    if every == 0 or _flag(OTEL_SDK_DISABLED, source):
+        return None
+    traces_url = source.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "").strip()
+    base_url = source.get(OTEL_EXPORTER_OTLP_ENDPOINT, "").strip()
+    if traces_url:
+        endpoint = _url(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, traces_url)
+    elif base_url:
+        endpoint = _url(OTEL_EXPORTER_OTLP_ENDPOINT, base_url).rstrip("/") + TRACES_PATH
+    else:
+        raise SettingError(
+            f"{TRACEHOUND_OTEL_SPANS_EVERY}={every}: spans need somewhere to go; set "
+            f"{OTEL_EXPORTER_OTLP_ENDPOINT} (or {OTEL_EXPORTER_OTLP_TRACES_ENDPOINT})"
+        )
+    for name in (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL):
+        protocol = source.get(name, "").strip()
+        if protocol:
+            if protocol != PROTOCOL:
+                raise SettingError(f"{name}={protocol!r}: only {PROTOCOL} is supported here")
+            break
+    return SpanSettings(endpoint=endpoint, every=every)
+
+
+def trace_id_of(job: str, attempt: int, group: str, seq: int) -> int:
+    """The trace id every rank's span of one collective carries (128 bits, never 0)."""
+    digest = hashlib.blake2b(f"{job}\0{attempt}\0{group}\0{seq}".encode(),
+                             digest_size=16).digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+class CollectiveSpans:
+    """Exports sampled collectives as spans; `observe` is handed every collective the agent
+    receives and never raises."""
+
+    def __init__(self, settings: SpanSettings, *, job: str, node: str) -> None:
+        from opentelemetry import trace
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace import (
+            NonRecordingSpan,
+            SpanContext,
+            SpanKind,
+            Status,
+            StatusCode,
+            TraceFlags,
+        )
+
+        self.settings = settings
+        self.every = settings.every
+        self.exported = 0
+        """Spans handed to the exporter."""
+        self.dropped = 0
+        """Sampled collectives not exported: the exporter's queue was full, or making the span
+        failed."""
+        self._queue = 0
+        self._lock = threading.Lock()
+        resource = Resource.create({
+            "service.name": SERVICE_NAME, "service.instance.id": node,
+            JOB_ATTRIBUTE: job, NODE_ATTRIBUTE: node,
+        })
+        self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        # duck-typed: opentelemetry is imported here only, so the class cannot subclass its
+        # SpanExporter
+        self._exporter = cast(Any, _CountingExporter(
+            OTLPSpanExporter(endpoint=settings.endpoint), self))
+        self._provider.add_span_processor(BatchSpanProcessor(
+            self._exporter, max_queue_size=SPAN_QUEUE, schedule_delay_millis=1000,
+        ))
+        self._tracer = self._provider.get_tracer(SCOPE)
+        self._trace = trace
+        self._parent = (NonRecordingSpan, SpanContext, TraceFlags(TraceFlags.SAMPLED))
+        self._kind = SpanKind.INTERNAL
+        self._error = Status(StatusCode.ERROR, "the collective failed on this rank")
+        log.info("telemetry: exporting every %d-th collective of each group as spans to %s",
+                 settings.every, settings.endpoint)
+
+    def observe(self, event: CollectiveEvent) -> None:
+        if event.seq % self.every:
+            return
+        with self._lock:
+            if self._queue >= SPAN_QUEUE:
+                self.dropped += 1
+                return
+            self._queue += 1
+        try:
+            non_recording, span_context, flags = self._parent
+            trace_id = trace_id_of(event.job, event.attempt, event.group, event.seq)
+            parent = non_recording(span_context(
+                trace_id=trace_id, span_id=(trace_id & 0xFFFFFFFFFFFFFFFF) or 1, is_remote=True,
+                trace_flags=flags,
+            ))
+            span = self._tracer.start_span(
+                f"{event.op} #{event.seq}", context=self._trace.set_span_in_context(parent),
+                kind=self._kind, start_time=event.enqueue_us * 1000, attributes={
+                    JOB_ATTRIBUTE: event.job, NODE_ATTRIBUTE: event.node,
+                    "tracehound.attempt": event.attempt, "tracehound.rank": int(event.rank),
+                    "tracehound.group": event.group, "tracehound.seq": event.seq,
+                    "tracehound.op": event.op, "tracehound.bytes": event.nbytes,
+                    "tracehound.dtype": event.dtype, "tracehound.peer": event.peer,
+                },
+            )
+            if event.state is CollectiveState.FAILED:
+                span.set_status(self._error)
+            span.end(end_time=max(event.complete_us, event.enqueue_us) * 1000)
+        except Exception as exc:
+            with self._lock:
+                self._queue -= 1
+                self.dropped += 1
+            log.debug("telemetry could not make a span: %r", exc)
+            return
+        with self._lock:
+            self.exported += 1
+
+    def _sent(self, count: int, *, ok: bool) -> None:
+        with self._lock:
+            self._queue = max(0, self._queue - count)
+            if not ok:
+                self.dropped += count
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        try:
+            return bool(self._provider.force_flush(timeout_millis=int(timeout_s * 1000)))
+        except Exception as exc:
+            log.warning("span flush failed: %r", exc)
+            return False
+
+    def shutdown(self) -> None:
+        """Export what is queued and stop; never raises."""
+        try:
+            self._provider.shutdown()
+        except Exception as exc:
+            log.warning("span export shutdown failed: %r", exc)
+
+
+class _CountingExporter:
+    """The OTLP exporter, telling CollectiveSpans how many spans left its queue."""
+
+    def __init__(self, inner: Any, spans: CollectiveSpans) -> None:
+        self.inner = inner
+        self.spans = spans
+
+    def export(self, spans: Any) -> Any:
+        ok = False
+        try:
+            result = self.inner.export(spans)
+            ok = getattr(result, "name", "") == "SUCCESS"
+            return result
+        finally:
+            self.spans._sent(len(spans), ok=ok)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return bool(self.inner.force_flush(timeout_millis))
+
+
+def start_spans(job: str, node: str, env: Mapping[str, str] | None = None
+                ) -> CollectiveSpans | None:
+    """Span export as `env` asks (see `span_settings`); None when it asks for none."""
+    settings = span_settings(env)
+    return None if settings is None else CollectiveSpans(settings, job=job, node=node)
 
 
 # -- reading the stats -----------------------------------------------------------------------------

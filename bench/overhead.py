@@ -2,13 +2,23 @@
 
 Two measurements, printed as figures (a benchmark, never a test; nothing here gates on time):
 
-1. Step time. The demo DDP job (gloo, --nnodes x --nproc-per-node ranks, no checkpoints) runs
-   through `tracehound run` again and again, recorder on and recorder off (TRACEHOUND_DISABLE=1)
-   in alternating order (on/off, off/on, ...), so machine noise hits both alike. Each rank
-   prints its steady-state step rate (first step excluded); a run's step time is 1 / the mean
-   rate of its ranks. Each pair gives one ratio traced / untraced; `step_time_ratio` is the
-   median of those ratios, printed with their spread. The node agents run in both modes (the
-   controller starts them); with the recorder off they receive nothing.
+1. Step time, tracing on and off interleaved inside one job (`step_time_ratio`). A 4-rank gloo
+   DDP job (torchrun under `tracehound instrument`: the recorder in every rank, a node agent
+   shipping to the embedded store) trains two identical models in alternating blocks of steps:
+   one traced (the recorder's comm hook, every bucket recorded and shipped), one plain (DDP's
+   own C++ all-reduce, nothing recorded); see bench/overhead_job.py. Each pair of blocks gives
+   one ratio traced / plain (block times averaged over the ranks); a run's ratio is the median
+   of its pairs, and `step_time_ratio` is the median of all pairs of all --runs runs, printed
+   with each run's ratio (`run_ratios`, the run-to-run spread) and the pairs' spread. With
+   --control a first run has both models plain: `control_ratio` is the noise floor. The agent
+   and store run through both kinds of block (their work on a traced block's records can spill
+   into the next plain one), so this is the cost inside the ranks plus what of the agent's falls
+   in the traced blocks.
+
+   --separate-jobs N adds the whole-system figure: the demo job run again and again, recorder on
+   and off (TRACEHOUND_DISABLE=1), in alternating order (`separate_jobs.step_time_ratio`, the
+   median of N pair ratios). The node agents run in both modes; with the recorder off they
+   receive nothing. Separate jobs drift apart by several percent on a shared machine.
 
 2. Per-event cost (`record_us`), in a child process: a real gloo process group of one rank,
    the recorder's real wrappers (`hooks.install_distributed`) and a real SocketTransport
@@ -26,8 +36,9 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    one rank (noisy: the gloo call itself varies by more than the recorder costs). `parts_us`
    breaks the hot path down, each part timed alone.
 
-    python bench/overhead.py [--pairs N] [--steps S] [--step-sleep-ms MS] [--calls C]
-                             [--blocks B] [--skip-job] [--skip-hot-path] [--json]
+    python bench/overhead.py [--runs R] [--block-pairs P] [--block-steps S] [--control]
+                             [--separate-jobs N] [--calls C] [--blocks B]
+                             [--skip-job] [--skip-hot-path] [--json]
 
 With --json it prints one JSON object (progress goes to stderr); `step_time_ratio` and
 `record_us` are always in it (null for a part that was skipped).
@@ -105,6 +116,74 @@ def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: 
     if len(rates) != nnodes * nproc:
         raise RuntimeError(f"{len(rates)} ranks reported a rate, expected {nnodes * nproc}")
     return 1000.0 / statistics.mean(rates)
+
+
+def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool) -> list[float]:
+    """One run of bench/overhead_job.py; its pair ratios (traced / plain block time)."""
+    env = dict(os.environ)
+    env.pop("TRACEHOUND_DISABLE", None)
+    env["OMP_NUM_THREADS"] = "1"
+    job = Path(__file__).with_name("overhead_job.py")
+    command = [
+        sys.executable, "-m", "tracehound.controller.cli", "--log-level", "WARNING",
+        "instrument", "--job", "overhead", "--node", "n0", "--store",
+        f"chdb://{workdir / 'store'}", "--workdir", str(workdir / "instrument"), "--",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        str(args.nnodes * args.nproc_per_node), str(job), "--pairs", str(args.block_pairs),
+        "--block-steps", str(args.block_steps), "--width", str(args.width),
+        "--batch", str(args.batch), *(["--control"] if control else []),
+    ]
+    try:
+        done = subprocess.run(command, env=env, check=False, capture_output=True, text=True,
+                              timeout=900)
+        out, err = done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:  # a rank stuck in gloo's teardown after printing
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = ""
+    line = next((x for x in out.splitlines() if x.startswith("overhead-blocks ")), None)
+    if line is None:
+        raise RuntimeError(f"the overhead job printed no block times:\n{out[-2000:]}{err[-2000:]}")
+    blocks = json.loads(line.split(" ", 1)[1])
+    ranks: list[list[list[float]]] = blocks["ranks"]
+    ratios = []
+    for i in range(len(ranks[0])):
+        on = statistics.mean(r[i][0] for r in ranks)
+        off = statistics.mean(r[i][1] for r in ranks)
+        ratios.append(on / off)
+    return ratios
+
+
+def interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    def run(control: bool) -> list[float]:
+        with tempfile.TemporaryDirectory(prefix="tracehound-overhead-") as tmp:
+            return interleaved_run(args, Path(tmp), control=control)
+
+    result: dict[str, Any] = {}
+    if args.control:
+        control = run(True)
+        result["control_ratio"] = round(statistics.median(control), 4)
+        result["control_pair_ratio_iqr"] = [round(x, 4) for x in quartiles(control)]
+        progress(f"control run (both plain): ratio {result['control_ratio']}")
+    every: list[float] = []
+    per_run: list[float] = []
+    for i in range(args.runs):
+        ratios = run(False)
+        every += ratios
+        per_run.append(statistics.median(ratios))
+        progress(f"run {i + 1}/{args.runs}: ratio {per_run[-1]:.4f} over {len(ratios)} pairs "
+                 f"of {args.block_steps}-step blocks")
+    q1, q3 = quartiles(every)
+    result.update({
+        "step_time_ratio": round(statistics.median(every), 4),
+        "run_ratios": [round(r, 4) for r in per_run],
+        "pair_ratio_iqr": [round(q1, 4), round(q3, 4)],
+        "pair_ratio_min_max": [round(min(every), 4), round(max(every), 4)],
+        "pairs_per_run": args.block_pairs,
+        "block_steps": args.block_steps,
+        "ranks": args.nnodes * args.nproc_per_node,
+        "launcher": "instrument",
+    })
+    return result
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float]:
@@ -359,13 +438,25 @@ def progress(text: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=6, help="on/off pairs (default 6)")
-    parser.add_argument("--steps", type=int, default=800, help="steps per run (default 800)")
-    parser.add_argument("--warmup", type=int, default=1, help="uncounted runs first (default 1)")
+    parser.add_argument("--runs", type=int, default=2,
+                        help="runs of the interleaved job (default 2)")
+    parser.add_argument("--block-pairs", type=int, default=15,
+                        help="traced/plain block pairs per run (default 15)")
+    parser.add_argument("--block-steps", type=int, default=120,
+                        help="steps per block (default 120, about 1 s)")
+    parser.add_argument("--control", action="store_true",
+                        help="first a run with both models plain: the noise floor")
+    parser.add_argument("--separate-jobs", type=int, default=0, metavar="N",
+                        help="also N pairs of separate traced and untraced jobs (default 0)")
+    parser.add_argument("--steps", type=int, default=800,
+                        help="steps per separate job (default 800)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="uncounted separate jobs first (default 1)")
     parser.add_argument("--nnodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--launcher", choices=["instrument", "run"], default="instrument",
-                        help="instrument (default): torchrun's ranks with the recorder and a "
+                        help="for --separate-jobs: instrument (default): torchrun's ranks with "
+                             "the recorder and a "
                              "node agent shipping to the store, what a training node pays; "
                              "run: under `tracehound run`, whose analysis and embedded store "
                              "share this machine's cores with the ranks")
@@ -393,7 +484,10 @@ def main() -> int:
         result.update(hot_path(args))
         progress(f"record_us {result['record_us']} (sender_us {result['sender_us']})")
     if not args.skip_job:
-        result.update(step_time(args))
+        result.update(interleaved(args))
+        if args.separate_jobs > 0:
+            args.pairs = args.separate_jobs
+            result["separate_jobs"] = step_time(args)
     if args.json:
         print(json.dumps(result))
     else:

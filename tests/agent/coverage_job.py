@@ -2,10 +2,12 @@
 
 Launched once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and the
 recorder auto-installed (the tests put tracehound's bootstrap on PYTHONPATH). It knows nothing of
-Tracehound: it runs the torch.distributed calls of its scenario and prints what the tests compare
+Tracehound (but for ddp_untraced, which asks for a model left untraced): it runs the
+torch.distributed calls of its scenario and prints what the tests compare
 the records with, as `fact <json>` lines.
 
-    python coverage_job.py {ddp,fsdp2,pipeline,subgroups,alltoall,objects,async,inflight}
+    python coverage_job.py SCENARIO    (ddp, ddp_untraced, fsdp2, pipeline, subgroups, alltoall,
+                                        objects, async, inflight)
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ def ddp(rank: int, world: int) -> None:
         )
         fact(kind="ddp_step", step=step, averaged=averaged)
         opt.step()
+
+
+def ddp_untraced(rank: int, world: int) -> None:
+    """A model built inside hooks.untraced_ddp() keeps DDP's own all-reduce: nothing recorded
+    for its buckets; one all_reduce of the program's own is, after it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tracehound.agent import hooks
+
+    with hooks.untraced_ddp():
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    dist.all_reduce(torch.ones(1))
+    fact(kind="ddp_stats", hooked=hooks.ddp_stats.hooked, skipped=hooks.ddp_stats.skipped)
 
 
 def fsdp2(rank: int, world: int) -> None:
@@ -266,8 +286,9 @@ def inflight(rank: int, world: int) -> None:
 
 
 SCENARIOS = {
-    "ddp": ddp, "fsdp2": fsdp2, "pipeline": pipeline, "subgroups": subgroups,
-    "alltoall": alltoall, "objects": objects, "async": async_ops, "inflight": inflight,
+    "ddp": ddp, "ddp_untraced": ddp_untraced, "fsdp2": fsdp2, "pipeline": pipeline,
+    "subgroups": subgroups, "alltoall": alltoall, "objects": objects, "async": async_ops,
+    "inflight": inflight,
 }
 
 

@@ -191,3 +191,30 @@ def test_transport_drops_beyond_its_bound(bound: int, tmp_path: Path) -> None:
     assert not transport.flush(0.2)  # nobody listens: bounded wait, records kept
     assert len(transport) == 2
     done.set()
+
+
+class RecordingSpans:
+    """Stands in for telemetry.CollectiveSpans (whose export is tested in test_telemetry)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.exported = 0
+        self.dropped = 0
+
+    def observe(self, event: CollectiveEvent) -> None:
+        self.seen.append(event.seq)
+        self.exported += 1
+
+
+def test_agent_hands_every_collective_it_accepts_to_the_span_exporter(tmp_path: Path) -> None:
+    spans = RecordingSpans()
+    sp = spool(tmp_path / "spool")
+    agent = NodeAgent(job="j", node="n", socket_path=str(tmp_path / "agent.sock"), spool=sp,
+                      sink=FlakySink(), spans=spans)  # type: ignore[arg-type]
+    beat = Recorder(job="j", attempt=0, node="n", rank=0, sink=FlakySink()).heartbeat_record()
+    agent.receive([line(event(1)), b"not json", json.dumps(wire.encode(beat)).encode(),
+                   line(event(2, rank=1))])
+    assert spans.seen == [1, 2]  # the heartbeat and the bad line are not collectives
+    stats = agent.stats()
+    assert (stats["spans_exported"], stats["spans_dropped"]) == (2, 0)
+    assert stats["received"] == 3 and stats["rejected"] == 1

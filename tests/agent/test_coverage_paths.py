@@ -34,6 +34,15 @@ def test_ddp_gradient_all_reduces(tmp_path: Path) -> None:
     assert all(d >= 0 for d in ends.values())
 
 
+def test_a_ddp_model_built_untraced_keeps_its_own_all_reduce(tmp_path: Path) -> None:
+    run = run_scenario("ddp_untraced", 2, tmp_path)
+    calls = assert_same_calls(run)
+    # three steps of DDP's C++ all-reduce are not recorded; the program's own all_reduce is
+    assert ops_of(calls["0"]) == ["all_reduce"]
+    assert [run.fact(r, "ddp_stats") for r in (0, 1)] == [{"kind": "ddp_stats", "hooked": 0,
+                                                          "skipped": 1}] * 2
+
+
 def test_fsdp2_all_gathers_and_reduce_scatters(tmp_path: Path) -> None:
     run = run_scenario("fsdp2", 2, tmp_path)
     calls = assert_same_calls(run)

@@ -1,5 +1,6 @@
 """The node agent's telemetry, exported over OTLP/HTTP to a real HTTP receiver on loopback that
-decodes each POST to /v1/metrics with the OTLP protobuf schema (opentelemetry.proto)."""
+decodes each POST (metrics, or spans when the path ends in /traces) with the OTLP protobuf schema
+(opentelemetry.proto)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from tracehound.agent.telemetry import (
@@ -23,17 +25,22 @@ from tracehound.agent.telemetry import (
     NODE_ATTRIBUTE,
     SHIP_DURATION,
     TelemetryHandle,
+    span_settings,
+    start_spans,
     start_telemetry,
     telemetry_settings,
+    trace_id_of,
 )
+from tracehound.tracing.events import CollectiveEvent, CollectiveState
+from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.settings import SettingError
 
 
 class Receiver:
-    """An OTLP/HTTP metrics receiver: keeps every decoded export request and its path."""
+    """An OTLP/HTTP receiver: keeps every decoded export request and its path."""
 
     def __init__(self) -> None:
-        self.requests: list[tuple[str, ExportMetricsServiceRequest]] = []
+        self.requests: list[tuple[str, Any]] = []
         self.lock = threading.Lock()
         requests, lock = self.requests, self.lock
 
@@ -47,7 +54,8 @@ class Receiver:
                     self.send_response(415)
                     self.end_headers()
                     return
-                request = ExportMetricsServiceRequest()
+                request: Any = (ExportTraceServiceRequest() if self.path.endswith("/traces")
+                                else ExportMetricsServiceRequest())
                 request.ParseFromString(body)
                 with lock:
                     requests.append((self.path, request))
@@ -72,11 +80,19 @@ class Receiver:
         with self.lock:
             return [path for path, _ in self.requests]
 
+    def spans(self) -> list[tuple[Any, dict[str, str]]]:
+        """Every exported span with its resource's attributes."""
+        with self.lock:
+            requests = [r for _, r in self.requests if isinstance(r, ExportTraceServiceRequest)]
+        return [(span, attrs(rs.resource.attributes))
+                for request in requests for rs in request.resource_spans
+                for ss in rs.scope_spans for span in ss.spans]
+
     def latest(self) -> dict[str, Any]:
         """The latest exported point of each metric: name -> (metric, point, resource attrs)."""
         out: dict[str, Any] = {}
         with self.lock:
-            requests = [r for _, r in self.requests]
+            requests = [r for _, r in self.requests if isinstance(r, ExportMetricsServiceRequest)]
         for request in requests:
             for rm in request.resource_metrics:
                 resource = attrs(rm.resource.attributes)
@@ -300,3 +316,97 @@ def test_settings_pick_the_metrics_endpoint_over_the_base() -> None:
     assert settings.interval_ms == 60000
     base = telemetry_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://base:4318/otlp/"})
     assert base is not None and base.endpoint == "http://base:4318/otlp/v1/metrics"
+
+
+# -- sampled collectives as spans ------------------------------------------------------------------
+
+
+def collective(rank: int, seq: int, *, failed: bool = False) -> CollectiveEvent:
+    start = 1_795_000_000_000_000 + 1000 * seq + rank
+    return CollectiveEvent(
+        job=JobId("job-7"), attempt=1, node=NodeId(f"node-{rank // 2}"), rank=Rank(rank),
+        group=GroupId("dp-0"), seq=seq, op="all_reduce", nbytes=4096, dtype="float32", peer=-1,
+        state=CollectiveState.FAILED if failed else CollectiveState.COMPLETED,
+        enqueue_us=start, complete_us=start + 250,
+    )
+
+
+def test_every_nth_collective_becomes_one_span_per_rank_sharing_a_trace(
+    receiver: Receiver,
+) -> None:
+    spans = start_spans("job-7", "node-0", env={
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "TRACEHOUND_OTEL_SPANS_EVERY": "5",
+    })
+    assert spans is not None
+    try:
+        for seq in range(1, 11):
+            for rank in (0, 1):
+                spans.observe(collective(rank, seq, failed=(rank, seq) == (1, 10)))
+        assert spans.force_flush()
+        wait_for(lambda: len(receiver.spans()) == 4)
+    finally:
+        spans.shutdown()
+    assert set(receiver.paths()) == {"/v1/traces"}
+    assert (spans.exported, spans.dropped) == (4, 0)
+    got = {}
+    for span, resource in receiver.spans():
+        a = {kv.key: kv.value for kv in span.attributes}
+        got[(a["tracehound.rank"].int_value, a["tracehound.seq"].int_value)] = (span, a)
+        assert resource["service.name"] == "tracehound-node-agent"
+        assert resource[JOB_ATTRIBUTE] == "job-7"
+    assert sorted(got) == [(0, 5), (0, 10), (1, 5), (1, 10)]
+    for (rank, seq), (span, a) in got.items():
+        event = collective(rank, seq)
+        assert span.name == f"all_reduce #{seq}"
+        assert span.start_time_unix_nano == event.enqueue_us * 1000
+        assert span.end_time_unix_nano == event.complete_us * 1000
+        # both ranks' spans of one collective are one trace
+        assert int.from_bytes(span.trace_id, "big") == trace_id_of("job-7", 1, "dp-0", seq)
+        assert a["tracehound.group"].string_value == "dp-0"
+        assert a["tracehound.bytes"].int_value == 4096
+        assert a[NODE_ATTRIBUTE].string_value == f"node-{rank // 2}"
+        # the failed one is marked an error (STATUS_CODE_ERROR = 2), the others are not
+        assert span.status.code == (2 if (rank, seq) == (1, 10) else 0)
+    assert got[(0, 5)][0].trace_id == got[(1, 5)][0].trace_id != got[(0, 10)][0].trace_id
+
+
+def test_spans_lost_to_a_collector_that_is_down_are_counted() -> None:
+    spans = start_spans("job-7", "node-0", env={
+        # nothing listens on port 9 of loopback
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces",
+        "TRACEHOUND_OTEL_SPANS_EVERY": "1",
+    })
+    assert spans is not None
+    try:
+        for seq in range(1, 4):
+            spans.observe(collective(0, seq))
+        spans.force_flush(timeout_s=30)
+    finally:
+        spans.shutdown()
+    assert (spans.exported, spans.dropped) == (3, 3)
+
+
+@pytest.mark.parametrize(("env", "variable"), [
+    ({"TRACEHOUND_OTEL_SPANS_EVERY": "often", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318"},
+     "TRACEHOUND_OTEL_SPANS_EVERY"),
+    ({"TRACEHOUND_OTEL_SPANS_EVERY": "-2", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318"},
+     "TRACEHOUND_OTEL_SPANS_EVERY"),
+    ({"TRACEHOUND_OTEL_SPANS_EVERY": "10"}, "TRACEHOUND_OTEL_SPANS_EVERY"),  # nowhere to go
+    ({"TRACEHOUND_OTEL_SPANS_EVERY": "10", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "x:1"},
+     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+    ({"TRACEHOUND_OTEL_SPANS_EVERY": "10", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318",
+      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
+])
+def test_bad_span_settings_name_the_variable(env: dict[str, str], variable: str) -> None:
+    with pytest.raises(SettingError, match=variable):
+        span_settings(env)
+
+
+def test_spans_are_off_unless_asked_for() -> None:
+    assert span_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318"}) is None
+    assert span_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318",
+                          "TRACEHOUND_OTEL_SPANS_EVERY": "0"}) is None
+    settings = span_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318/",
+                              "TRACEHOUND_OTEL_SPANS_EVERY": "100"})
+    assert settings is not None and settings.endpoint == "http://x:4318/v1/traces"
+    assert settings.every == 100
