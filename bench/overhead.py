@@ -10,7 +10,9 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    one ratio traced / plain (block times averaged over the ranks); a run's ratio is the median
    of its pairs, and `step_time_ratio` is the median of all pairs of all --runs runs, printed
    with each run's ratio (`run_ratios`, the run-to-run spread) and the pairs' spread. With
-   --control a first run has both models plain: `control_ratio` is the noise floor. The agent
+   --control a first run has both models plain: `control_ratio` is the noise floor; with
+   --python-hook another compares torch's own Python `allreduce_hook` (untraced) with DDP's C++
+   all-reduce (`python_hook_ratio`): what DDP pays for any Python comm hook. The agent
    and store run through both kinds of block (their work on a traced block's records can spill
    into the next plain one), so this is the cost inside the ranks plus what of the agent's falls
    in the traced blocks.
@@ -37,6 +39,7 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    breaks the hot path down, each part timed alone.
 
     python bench/overhead.py [--runs R] [--block-pairs P] [--block-steps S] [--control]
+                             [--python-hook]
                              [--separate-jobs N] [--calls C] [--blocks B]
                              [--skip-job] [--skip-hot-path] [--json]
 
@@ -118,7 +121,8 @@ def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: 
     return 1000.0 / statistics.mean(rates)
 
 
-def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool) -> list[float]:
+def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool,
+                    python_hook: bool = False) -> list[float]:
     """One run of bench/overhead_job.py; its pair ratios (traced / plain block time)."""
     env = dict(os.environ)
     env.pop("TRACEHOUND_DISABLE", None)
@@ -132,6 +136,7 @@ def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool) -
         str(args.nnodes * args.nproc_per_node), str(job), "--pairs", str(args.block_pairs),
         "--block-steps", str(args.block_steps), "--width", str(args.width),
         "--batch", str(args.batch), *(["--control"] if control else []),
+        *(["--python-hook"] if python_hook else []),
     ]
     try:
         done = subprocess.run(command, env=env, check=False, capture_output=True, text=True,
@@ -154,9 +159,9 @@ def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool) -
 
 
 def interleaved(args: argparse.Namespace) -> dict[str, Any]:
-    def run(control: bool) -> list[float]:
+    def run(control: bool, python_hook: bool = False) -> list[float]:
         with tempfile.TemporaryDirectory(prefix="tracehound-overhead-") as tmp:
-            return interleaved_run(args, Path(tmp), control=control)
+            return interleaved_run(args, Path(tmp), control=control, python_hook=python_hook)
 
     result: dict[str, Any] = {}
     if args.control:
@@ -164,6 +169,12 @@ def interleaved(args: argparse.Namespace) -> dict[str, Any]:
         result["control_ratio"] = round(statistics.median(control), 4)
         result["control_pair_ratio_iqr"] = [round(x, 4) for x in quartiles(control)]
         progress(f"control run (both plain): ratio {result['control_ratio']}")
+    if args.python_hook:
+        hooked = run(True, python_hook=True)
+        result["python_hook_ratio"] = round(statistics.median(hooked), 4)
+        result["python_hook_pair_ratio_iqr"] = [round(x, 4) for x in quartiles(hooked)]
+        progress(f"torch's own Python allreduce_hook, untraced, against DDP's C++ all-reduce: "
+                 f"ratio {result['python_hook_ratio']}")
     every: list[float] = []
     per_run: list[float] = []
     for i in range(args.runs):
@@ -440,12 +451,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2,
                         help="runs of the interleaved job (default 2)")
-    parser.add_argument("--block-pairs", type=int, default=15,
-                        help="traced/plain block pairs per run (default 15)")
+    parser.add_argument("--block-pairs", type=int, default=40,
+                        help="traced/plain block pairs per run (default 40; a pair's ratio "
+                             "scatters by several percent on a shared machine)")
     parser.add_argument("--block-steps", type=int, default=120,
                         help="steps per block (default 120, about 1 s)")
     parser.add_argument("--control", action="store_true",
                         help="first a run with both models plain: the noise floor")
+    parser.add_argument("--python-hook", action="store_true",
+                        help="first a run comparing torch's own Python allreduce_hook "
+                             "(untraced) with DDP's C++ all-reduce: what a Python comm hook "
+                             "costs by itself")
     parser.add_argument("--separate-jobs", type=int, default=0, metavar="N",
                         help="also N pairs of separate traced and untraced jobs (default 0)")
     parser.add_argument("--steps", type=int, default=800,

@@ -16,6 +16,9 @@ hook run in both. `bench/overhead.py --separate-jobs N` measures the whole cost 
 separate traced and untraced jobs.
 
 With --control both models are plain: the ratio it gives is the noise floor of the comparison.
+With --control --python-hook the first one is untraced but runs torch's own Python
+`allreduce_hook`: what any Python comm hook costs by itself (DDP holds the GIL three times per
+bucket for one: to call it, for its completion callback on gloo's thread, and to read its result).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--control", action="store_true", help="both models untraced")
+    parser.add_argument("--python-hook", action="store_true",
+                        help="with --control: the first model untraced but with torch's own "
+                             "Python allreduce_hook (what a Python comm hook costs by itself)")
     return parser.parse_args(argv)
 
 
@@ -64,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.control:
         with hooks.untraced_ddp():
             traced = DistributedDataParallel(net())
+        if args.python_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            traced.register_comm_hook(None, default_hooks.allreduce_hook)
     else:
         traced = DistributedDataParallel(net())
     with hooks.untraced_ddp():
