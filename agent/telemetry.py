@@ -169,26 +169,37 @@ def _url(name: str, raw: str) -> str:
     return raw
 
 
+def _endpoint(source: Mapping[str, str], signal_url: str, signal_protocol: str,
+              path: str) -> str | None:
+    """Where one signal goes: its own endpoint variable as it is, else the base endpoint plus
+    `path`; None when neither is set. Checks the protocol (the signal's own variable first)."""
+    own = source.get(signal_url, "").strip()
+    base = source.get(OTEL_EXPORTER_OTLP_ENDPOINT, "").strip()
+    if own:
+        endpoint = _url(signal_url, own)
+    elif base:
+        endpoint = _url(OTEL_EXPORTER_OTLP_ENDPOINT, base).rstrip("/") + path
+    else:
+        return None
+    for name in (signal_protocol, OTEL_EXPORTER_OTLP_PROTOCOL):
+        protocol = source.get(name, "").strip()
+        if protocol:
+            if protocol != PROTOCOL:
+                raise SettingError(f"{name}={protocol!r}: only {PROTOCOL} is supported here")
+            break
+    return endpoint
+
+
 def telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySettings | None:
     """The telemetry `env` (default: the process environment) asks for; None when it asks for
     none. SettingError, naming the variable, for a value that cannot be used."""
     source = os.environ if env is None else env
     if _flag(OTEL_SDK_DISABLED, source):
         return None
-    metrics_url = source.get(OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, "").strip()
-    base_url = source.get(OTEL_EXPORTER_OTLP_ENDPOINT, "").strip()
-    if metrics_url:
-        endpoint = _url(OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, metrics_url)
-    elif base_url:
-        endpoint = _url(OTEL_EXPORTER_OTLP_ENDPOINT, base_url).rstrip("/") + METRICS_PATH
-    else:
+    endpoint = _endpoint(source, OTEL_EXPORTER_OTLP_METRICS_ENDPOINT,
+                         OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, METRICS_PATH)
+    if endpoint is None:
         return None
-    for name in (OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL):
-        protocol = source.get(name, "").strip()
-        if protocol:
-            if protocol != PROTOCOL:
-                raise SettingError(f"{name}={protocol!r}: only {PROTOCOL} is supported here")
-            break
     raw = source.get(OTEL_METRIC_EXPORT_INTERVAL, "").strip()
     interval_ms = DEFAULT_EXPORT_INTERVAL_MS
     if raw:
@@ -233,23 +244,13 @@ def span_settings(env: Mapping[str, str] | None = None) -> SpanSettings | None:
     every = env_int(TRACEHOUND_OTEL_SPANS_EVERY, 0, env=source)
     if every == 0 or _flag(OTEL_SDK_DISABLED, source):
         return None
-    traces_url = source.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "").strip()
-    base_url = source.get(OTEL_EXPORTER_OTLP_ENDPOINT, "").strip()
-    if traces_url:
-        endpoint = _url(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, traces_url)
-    elif base_url:
-        endpoint = _url(OTEL_EXPORTER_OTLP_ENDPOINT, base_url).rstrip("/") + TRACES_PATH
-    else:
+    endpoint = _endpoint(source, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+                         OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, TRACES_PATH)
+    if endpoint is None:
         raise SettingError(
             f"{TRACEHOUND_OTEL_SPANS_EVERY}={every}: spans need somewhere to go; set "
             f"{OTEL_EXPORTER_OTLP_ENDPOINT} (or {OTEL_EXPORTER_OTLP_TRACES_ENDPOINT})"
         )
-    for name in (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL):
-        protocol = source.get(name, "").strip()
-        if protocol:
-            if protocol != PROTOCOL:
-                raise SettingError(f"{name}={protocol!r}: only {PROTOCOL} is supported here")
-            break
     return SpanSettings(endpoint=endpoint, every=every)
 
 
