@@ -184,7 +184,7 @@ class Journal:
         try:
             _write_durably(tmp, b"".join(_line(line) for line in lines), mode="wb")
             os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         except OSError as exc:
             log.error("journal %s: could not compact: %s", self.path, exc)
 
@@ -210,7 +210,8 @@ def _append(path: Path, data: bytes) -> None:
         log.error("journal %s: could not write (records kept in memory only): %s", path, exc)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable (its entry, not the file's data)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
