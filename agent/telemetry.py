@@ -37,7 +37,12 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from urllib.parse import urlsplit
 
 from tracehound.tracing.events import CollectiveEvent, CollectiveState
-from tracehound.tracing.settings import TRACEHOUND_OTEL_SPANS_EVERY, SettingError, env_int
+from tracehound.tracing.settings import (
+    DEFAULT_OTEL_SPANS_EVERY,
+    TRACEHOUND_OTEL_SPANS_EVERY,
+    SettingError,
+    env_int,
+)
 
 if TYPE_CHECKING:
     from tracehound.agent.spool import BatchSink, SpooledBatch
@@ -241,7 +246,7 @@ def span_settings(env: Mapping[str, str] | None = None) -> SpanSettings | None:
     TRACEHOUND_OTEL_SPANS_EVERY is unset or 0 (or OTEL_SDK_DISABLED). SettingError, naming the
     variable, for a value that cannot be used or spans asked for without an endpoint."""
     source = os.environ if env is None else env
-    every = env_int(TRACEHOUND_OTEL_SPANS_EVERY, 0, env=source)
+    every = env_int(TRACEHOUND_OTEL_SPANS_EVERY, DEFAULT_OTEL_SPANS_EVERY, env=source)
     if every == 0 or _flag(OTEL_SDK_DISABLED, source):
         return None
     endpoint = _endpoint(source, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,

@@ -117,7 +117,10 @@ TRACEHOUND_OTEL_SPANS_EVERY = "TRACEHOUND_OTEL_SPANS_EVERY"
 """Export every Nth collective of each process group as an OpenTelemetry span (the node agent,
 over OTLP/HTTP to OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT +
 /v1/traces). By sequence id, so every rank exports the same collectives, which share one trace
-id. Default 0: no spans."""
+id. Default DEFAULT_OTEL_SPANS_EVERY."""
+
+DEFAULT_OTEL_SPANS_EVERY = 0
+"""No spans."""
 
 TRACEHOUND_CHECKPOINT_DIR = "TRACEHOUND_CHECKPOINT_DIR"
 """Directory of the job's checkpoints, shared by all attempts (set by `tracehound run`)."""
