@@ -377,23 +377,20 @@ class _Installer:
     def begin_batch(self, ops: Any) -> list[Token | None]:
         """Begin the ops of a batch (P2POps) in the canonical order; their tokens in list order."""
         me = self.recorder.rank
-        keyed: list[tuple[str, int, int, Any]] = []
+        keyed: list[tuple[str, int, int, str, int, Any]] = []
         for index, p2p in enumerate(ops):
-            group = p2p.group
             peer = int(p2p.peer)
             is_send = "send" in getattr(p2p.op, "__name__", "")
-            pair = self.pair(self.groups.name(group), peer)
+            pair = self.pair(self.groups.name(p2p.group), peer)
             # lower rank -> higher rank transfers first, then the others
             upward = (me < peer) if is_send else (peer < me)
-            keyed.append((pair, 0 if upward else 1, index, p2p))
+            keyed.append((pair, 0 if upward else 1, index, "isend" if is_send else "irecv",
+                          peer, p2p.tensor))
         tokens: list[Token | None] = [None] * len(keyed)
         groups = self.groups
-        for pair, _, index, p2p in sorted(keyed, key=lambda k: (k[0], k[1], k[2])):
-            tensor = p2p.tensor
-            op = "isend" if "send" in getattr(p2p.op, "__name__", "") else "irecv"
+        for pair, _, index, op, peer, tensor in sorted(keyed, key=lambda k: k[:3]):
             tokens[index] = self.recorder.begin(
-                pair, op, tensor.numel() * tensor.element_size(), groups.dtype(tensor),
-                int(p2p.peer),
+                pair, op, tensor.numel() * tensor.element_size(), groups.dtype(tensor), peer,
             )
         return tokens
 
@@ -468,8 +465,7 @@ class _Installer:
         """A group used for the first time: announce it unless it already was (never raises:
         the call that uses the group is recorded either way)."""
         try:
-            if str(pg.group_name) not in self.announced:
-                self.announce(pg)
+            self.announce(pg)
         except Exception as exc:
             self.recorder.note_error("announce group", exc)
 
@@ -508,9 +504,6 @@ class _Installer:
 
         setattr(factory, _WRAPPED, original)
         return factory
-
-    def wrap_new_group(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        return self.wrap_factory("new_group", original)
 
     def wrap_destroy(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)

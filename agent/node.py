@@ -162,7 +162,9 @@ class NodeAgent:
         self.stats_interval_s = stats_interval_s
         self.watcher = watcher
         self.sources = sources
-        self.heartbeat_observers = list(heartbeat_observers)
+        self._observers = ([watcher.observe] if watcher is not None else []) + list(
+            heartbeat_observers)
+        """Told every heartbeat, the process watcher first."""
         self.spans = spans
         self._dropped: dict[tuple[str, int, int], int] = {}
         """The latest `dropped` count each rank's heartbeats reported (records it could not
@@ -317,11 +319,8 @@ class NodeAgent:
         if spans is not None:
             for event in collectives:
                 spans.observe(event)
-        observers = [*self.heartbeat_observers]
-        if self.watcher is not None:
-            observers.insert(0, self.watcher.observe)
         for beat in beats:
-            for observe in observers:
+            for observe in self._observers:
                 try:
                     observe(beat)
                 except Exception as exc:

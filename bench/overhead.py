@@ -70,52 +70,67 @@ RATE = re.compile(r"rank \d+/\d+: \d+ steps at ([0-9.]+) steps/s")
 # -- 1. step time of a real job, recorder on and off ----------------------------------------------
 
 
+def job_env(*, recorder: bool = True) -> dict[str, str]:
+    """This environment for a timed job: one thread per rank, the recorder on or off."""
+    env = dict(os.environ)
+    env.pop("TRACEHOUND_DISABLE", None)
+    env["OMP_NUM_THREADS"] = "1"
+    if not recorder:
+        env["TRACEHOUND_DISABLE"] = "1"
+    return env
+
+
+def instrumented(script: list[str], *, job: str, ranks: int, workdir: Path,
+                 env: dict[str, str], timeout_s: float) -> tuple[str, str]:
+    """Run `script` as `ranks` torchrun ranks under `tracehound instrument` (the recorder and a
+    node agent shipping to an embedded store in `workdir`); its stdout and stderr.
+
+    Not check=True: a rank that printed its figures and then hung in torch's gloo teardown at
+    exit (a GIL deadlock inside ~ProcessGroupGloo) measured its steps all the same; what was
+    printed decides."""
+    command = [
+        sys.executable, "-m", "tracehound.controller.cli", "--log-level", "WARNING",
+        "instrument", "--job", job, "--node", "n0", "--store", f"chdb://{workdir / 'store'}",
+        "--workdir", str(workdir / "instrument"), "--", sys.executable, "-m",
+        "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *script,
+    ]
+    try:
+        done = subprocess.run(command, env=env, check=False, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return out, ""
+    return done.stdout, done.stderr
+
+
 def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: int,
             workdir: Path, width: int = 64, batch: int = 32, launcher: str = "instrument"
             ) -> float:
     """One job run; its step time in ms (1000 / the mean steady-state rate of its ranks)."""
     from tracehound.controller.demo import training_script
 
-    env = dict(os.environ)
-    env.pop("TRACEHOUND_DISABLE", None)
-    env["OMP_NUM_THREADS"] = "1"
-    if not recorder:
-        env["TRACEHOUND_DISABLE"] = "1"
+    env = job_env(recorder=recorder)
     job = "on" if recorder else "off"
     script = [training_script(), "--steps", str(steps), "--checkpoint-every", "0",
               "--print-every", "0", "--sync-loss-every", "0", "--step-sleep-ms", str(sleep_ms),
               "--width", str(width), "--batch", str(batch)]
-    cli = [sys.executable, "-m", "tracehound.controller.cli", "--log-level", "WARNING"]
-    store = f"chdb://{workdir / 'store'}"
     if launcher == "run":
         subprocess.run(
-            [*cli, "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-             "--job-id", job, "--store", store, "--workdir", str(workdir), *script],
+            [sys.executable, "-m", "tracehound.controller.cli", "--log-level", "WARNING", "run",
+             "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--job-id", job,
+             "--store", f"chdb://{workdir / 'store'}", "--workdir", str(workdir), *script],
             env=env, check=True, capture_output=True, timeout=900,
         )
-        texts = [log.read_text()
-                 for log in sorted((workdir / job / "logs" / "attempt-0").glob("rank-*.log"))]
+        logs = sorted((workdir / job / "logs" / "attempt-0").glob("rank-*.log"))
+        # each rank's log: the rate it printed last
+        rates = [float(found[-1]) for found in (RATE.findall(log.read_text()) for log in logs)
+                 if found]
     else:
-        # torchrun's ranks under `tracehound instrument`: the recorder and a node agent that
-        # ships to the store, no analysis beside the job
-        # not check=True: a rank that printed its rate and then hung in torch's gloo teardown
-        # at exit (seen once in ~100 runs; a GIL deadlock inside ~ProcessGroupGloo) measured
-        # its steps all the same; the rates below decide
-        try:
-            done = subprocess.run(
-                [*cli, "instrument", "--job", job, "--node", "n0", "--store", store,
-                 "--workdir", str(workdir / "instrument"), "--", sys.executable, "-m",
-                 "torch.distributed.run", "--standalone", "--nproc-per-node",
-                 str(nnodes * nproc), *script],
-                env=env, check=False, capture_output=True, text=True, timeout=300,
-            )
-            out = done.stdout
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        texts = [out]
-    rates = [float(found[-1]) for found in (RATE.findall(t) for t in texts) if found]
-    if launcher != "run":
-        rates = [float(r) for r in RATE.findall(texts[0])]
+        # torchrun's ranks: the recorder and a node agent that ships to the store, no analysis
+        # beside the job
+        out, _ = instrumented(script, job=job, ranks=nnodes * nproc, workdir=workdir, env=env,
+                              timeout_s=300)
+        rates = [float(r) for r in RATE.findall(out)]
     if len(rates) != nnodes * nproc:
         raise RuntimeError(f"{len(rates)} ranks reported a rate, expected {nnodes * nproc}")
     return 1000.0 / statistics.mean(rates)
@@ -124,27 +139,14 @@ def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: 
 def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool,
                     python_hook: bool = False) -> list[float]:
     """One run of bench/overhead_job.py; its pair ratios (traced / plain block time)."""
-    env = dict(os.environ)
-    env.pop("TRACEHOUND_DISABLE", None)
-    env["OMP_NUM_THREADS"] = "1"
-    job = Path(__file__).with_name("overhead_job.py")
-    command = [
-        sys.executable, "-m", "tracehound.controller.cli", "--log-level", "WARNING",
-        "instrument", "--job", "overhead", "--node", "n0", "--store",
-        f"chdb://{workdir / 'store'}", "--workdir", str(workdir / "instrument"), "--",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-        str(args.nnodes * args.nproc_per_node), str(job), "--pairs", str(args.block_pairs),
+    script = [
+        str(Path(__file__).with_name("overhead_job.py")), "--pairs", str(args.block_pairs),
         "--block-steps", str(args.block_steps), "--width", str(args.width),
         "--batch", str(args.batch), *(["--control"] if control else []),
         *(["--python-hook"] if python_hook else []),
     ]
-    try:
-        done = subprocess.run(command, env=env, check=False, capture_output=True, text=True,
-                              timeout=900)
-        out, err = done.stdout, done.stderr
-    except subprocess.TimeoutExpired as exc:  # a rank stuck in gloo's teardown after printing
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = ""
+    out, err = instrumented(script, job="overhead", ranks=args.nnodes * args.nproc_per_node,
+                            workdir=workdir, env=job_env(), timeout_s=900)
     line = next((x for x in out.splitlines() if x.startswith("overhead-blocks ")), None)
     if line is None:
         raise RuntimeError(f"the overhead job printed no block times:\n{out[-2000:]}{err[-2000:]}")

@@ -63,7 +63,7 @@ from typing import IO, Any, Literal
 
 import msgspec
 
-from tracehound.controller.journal import fsync_dir
+from tracehound.controller.journal import fsync_dir, write_atomic
 from tracehound.tracing.retry import Backoff, BackoffState
 
 log = logging.getLogger(__name__)
@@ -422,13 +422,8 @@ def delivery_key(alert: Alert) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """`journal.write_atomic` through a hidden `.NAME.tmp` (what `_recover` clears away)."""
+    write_atomic(path, data, tmp=path.with_name(f".{path.name}.tmp"))
 
 
 def _make_dir(directory: Path) -> None:

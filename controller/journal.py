@@ -182,9 +182,7 @@ class Journal:
         lines = [{"n": e.number, "put": kind_of(e.record), "record": to_json(e.record)}
                  for e in self.pending()]
         try:
-            _write_durably(tmp, b"".join(_line(line) for line in lines), mode="wb")
-            os.replace(tmp, self.path)
-            fsync_dir(self.path.parent)
+            write_atomic(self.path, b"".join(_line(line) for line in lines), tmp=tmp)
         except OSError as exc:
             log.error("journal %s: could not compact: %s", self.path, exc)
 
@@ -199,6 +197,14 @@ def _write_durably(path: Path, data: bytes, *, mode: str = "ab") -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def write_atomic(path: Path, data: bytes, *, tmp: Path) -> None:
+    """Replace `path` by `data` so that a crash leaves the old or the new file, never a part:
+    written and fsynced to `tmp`, renamed over `path`, the rename made durable."""
+    _write_durably(tmp, data, mode="wb")
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def _append(path: Path, data: bytes) -> None:
