@@ -196,6 +196,7 @@ class Recorder:
         self._steps_paused = False
         self._step_us = 0
         self._first_step_us = 0
+        self._resumed_us = 0
         # Async work whose completion can only be seen by polling (gloo send/recv): (work, token,
         # ordered), see poll_later.
         self._polled: list[tuple[Any, Token, bool]] = []
@@ -386,6 +387,7 @@ class Recorder:
         """This process resumed from a checkpoint of `step`: steps count on from there."""
         self._start_step = step
         self._step_base = step - self._opt_steps
+        self._resumed_us = self.clock()
 
     def set_step(self, step: int) -> None:
         """The training script says it has reached `step` now; optimizer steps count on from it."""
@@ -433,6 +435,7 @@ class Recorder:
             rank=Rank(self.rank), time_us=self.clock(), pid=self.pid, step=self.step,
             step_us=self._step_us, start_step=self._start_step,
             first_step_us=self._first_step_us, dropped=self.dropped, groups=groups,
+            resumed_us=self._resumed_us,
         )
 
     def heartbeat(self) -> None:

@@ -4,8 +4,9 @@ outage of the receiver or a restart of the controller.
 
     Alert --enqueue--> Outbox (a directory) --Dispatcher--> POST to each Receiver
 
-- `Alert` is what is announced; `Receiver` is where it goes, read from a JSON file
-  (`load_receivers`: `{"receivers": [{"name", "kind", "url", ...}]}`).
+- `Alert` is what is announced (`alert_for` makes one of a stored incident); `Receiver` is where
+  it goes, read from a YAML or JSON file (`load_receivers`: `{"receivers": [{"name", "kind",
+  "url", ...}]}`).
 - `format_alertmanager`, `format_slack`, `format_pagerduty` and `format_webhook` turn an alert
   into a request body and headers for each kind of receiver (pure functions). A webhook's body is
   signed: `X-Tracehound-Signature: v1=<hex HMAC-SHA256(secret, "<timestamp>." + body)>`, checked
@@ -62,8 +63,10 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 import msgspec
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
 from tracehound.controller.journal import fsync_dir, write_atomic
+from tracehound.tracing.events import Incident
 from tracehound.tracing.retry import Backoff, BackoffState
 
 log = logging.getLogger(__name__)
@@ -182,17 +185,20 @@ _RECEIVER_FIELDS = frozenset(("name", "kind", "url", "routing_key", "secret", "t
 
 
 def load_receivers(path: str | os.PathLike[str]) -> list[Receiver]:
-    """The receivers in the JSON file at `path` (`{"receivers": [...]}`); AlertConfigError
-    naming the file and the field when anything in it is wrong."""
+    """The receivers in the YAML or JSON file at `path` (`{"receivers": [...]}`);
+    AlertConfigError naming the file and the field when anything in it is wrong."""
     where = os.fspath(path)
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
         raise AlertConfigError(f"{where}: cannot be read: {exc}") from exc
     try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise AlertConfigError(f"{where}: not valid JSON: {exc}") from exc
+        doc = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" (line {mark.line + 1})" if mark is not None else ""
+        raise AlertConfigError(f"{where}: not valid YAML or JSON{line}: "
+                               f"{getattr(exc, 'problem', None) or exc}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("receivers"), list):
         raise AlertConfigError(f'{where}: expected an object {{"receivers": [...]}}')
     receivers: list[Receiver] = []
@@ -206,6 +212,26 @@ def load_receivers(path: str | os.PathLike[str]) -> list[Receiver]:
         seen[receiver.name] = index
         receivers.append(receiver)
     return receivers
+
+
+SEVERITY: dict[str, Severity] = {
+    "crash": "critical", "hang": "critical", "hardware": "critical", "silent_hang": "critical",
+    "mismatch": "error", "straggler": "warning", "slow_link": "warning",
+    "node_outlier": "warning", "stall": "info",
+}
+"""How loud each incident kind is; a kind not listed (a newer one) is an error."""
+
+
+def alert_for(incident: Incident, *, status: Status, at_us: int, link: str = "") -> Alert:
+    """The alert announcing that `incident` fired, or resolved at `at_us`."""
+    return Alert(
+        job=incident.job, incident_id=incident.incident_id, attempt=incident.attempt,
+        kind=incident.kind, status=status, summary=incident.summary,
+        culprit_ranks=tuple(int(r) for r in incident.culprit_ranks),
+        culprit_nodes=tuple(incident.culprit_nodes), confidence=incident.confidence,
+        severity=SEVERITY.get(incident.kind, "error"),
+        at_us=incident.detected_at_us if status == "firing" else at_us, link=link,
+    )
 
 
 def _receiver(entry: object, at: str) -> Receiver:

@@ -15,6 +15,8 @@ cannot be used, 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tracehound.controller import importfr, launchers, stacks_cli, tracefiles
+from tracehound.controller import importfr, launchers, policyfile, stacks_cli, tracefiles
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.ids import JobId
@@ -81,8 +83,17 @@ def _supervisor_settings(args: argparse.Namespace, **overrides: Any) -> Any:
     if not args.busy_grace >= args.hang_after:
         raise ValueError(f"--busy-grace must be at least --hang-after "
                          f"({args.hang_after} s), got {args.busy_grace}")
-    policy = PolicySettings(watch_s=args.busy_grace,
-                            max_restarts=getattr(args, "max_restarts", 3))
+    policy_file = getattr(args, "policy", None)
+    if policy_file is not None:
+        from tracehound.controller.policyfile import load_policy
+
+        policy = load_policy(policy_file)  # PolicyConfigError (a ValueError) names the field
+        if getattr(args, "max_restarts", None) is not None:
+            policy = dataclasses.replace(policy, max_restarts=args.max_restarts)
+    else:
+        max_restarts = getattr(args, "max_restarts", None)
+        policy = PolicySettings(watch_s=args.busy_grace,
+                                max_restarts=3 if max_restarts is None else max_restarts)
     return SupervisorSettings(
         detection=DetectionSettings(hang_after_s=args.hang_after, busy_grace_s=args.busy_grace),
         policy=policy, **overrides,
@@ -134,7 +145,23 @@ def _parser() -> argparse.ArgumentParser:
                      help="checkpoints, spools, logs and the journal of records on their way "
                           "to the store go under WORKDIR/JOB "
                           "(default: .tracehound/runs)")
-    run.add_argument("--max-restarts", type=int, default=3, help="default: 3")
+    run.add_argument("--max-restarts", type=int, default=None,
+                     help="restarts before giving up (default: the policy's, 3)")
+    run.add_argument("--policy", type=Path, metavar="FILE",
+                     help="recovery policy (YAML; see `tracehound policy --defaults`); its "
+                          "watch_s replaces --busy-grace as the time an unsure verdict is "
+                          "watched")
+    run.add_argument("--alerts", type=Path, metavar="FILE",
+                     help="alert receivers (YAML or JSON: Alertmanager, Slack, PagerDuty, "
+                          "signed webhook); undelivered alerts wait in WORKDIR/JOB/alerts for "
+                          "the next run")
+    run.add_argument("--warm-spares", action=argparse.BooleanOptionalAction, default=True,
+                     help="keep one process per rank with torch and the script's heavy modules "
+                          "already imported, so a restart skips spawning and importing (costs "
+                          "one idle interpreter with torch per rank; default: on)")
+    run.add_argument("--preload", default="", metavar="MODULES",
+                     help="more modules warm spares import while they wait, comma-separated "
+                          "(they already import torch and the script's top-level imports)")
     _detection_args(run)
     run.add_argument("--timeout", type=float, default=None, metavar="S",
                      help="give up after S seconds (default: never)")
@@ -186,6 +213,7 @@ def _parser() -> argparse.ArgumentParser:
     stacks_cli.add_parser(sub, _store_arg)
     importfr.add_parser(sub, _store_arg)
     launchers.add_parsers(sub, _store_arg)
+    policyfile.add_parser(sub)
     return parser
 
 
@@ -232,15 +260,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     settings = _supervisor_settings(args, timeout_s=args.timeout)
     workdir = args.workdir / args.job_id
-    with store_session(args.store) as session:
-        orch = LocalOrchestrator(workdir=workdir, sink=session.sink)
+    dispatcher = None
+    if args.alerts is not None:
+        from tracehound.controller import alerts
+
+        receivers = alerts.load_receivers(args.alerts)  # AlertConfigError names the field
+        dispatcher = alerts.Dispatcher(alerts.Outbox(workdir / "alerts", receivers))
+        dispatcher.start()
+    with contextlib.ExitStack() as stack, store_session(args.store) as session:
+        if dispatcher is not None:
+            stack.callback(dispatcher.stop, 10.0)
+        orch = LocalOrchestrator(
+            workdir=workdir, sink=session.sink, warm_spares=args.warm_spares,
+            preload=tuple(m for m in args.preload.split(",") if m),
+        )
         result = Supervisor(spec=spec, store=session.store, orchestrator=orch,
                             settings=settings, evidence_dir=workdir / "incidents",
-                            journal_path=workdir / JOURNAL_FILE).run()
+                            journal_path=workdir / JOURNAL_FILE,
+                            notify=dispatcher.enqueue if dispatcher else None).run()
     if args.json:
         _print_json({
             "job": result.job, "completed": result.completed, "attempts": result.attempts,
             "reason": result.reason, "incidents": [_incident_json(i) for i in result.incidents],
+            "restarts": [r.to_json() for r in result.restarts],
             "workdir": str(workdir),
         })
     else:
@@ -248,6 +290,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"job {result.job} {state} after {result.attempts} attempt(s): {result.reason}")
         for incident in result.incidents:
             print(_incident_line(incident))
+        for restart in result.restarts:
+            print(f"  {restart.describe()}")
         print(f"logs and checkpoints: {workdir}")
     return 0 if result.completed else 1
 

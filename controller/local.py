@@ -5,6 +5,12 @@ the TRACEHOUND_* variables and the recorder's bootstrap directory on PYTHONPATH.
 output goes to `<workdir>/logs/attempt-<A>/rank-<R>.log`. Exits are timed by one waiter thread
 per process, so the first failure is known to the millisecond.
 
+With `warm_spares`, a few seconds after each launch one warm spare per rank is started
+(`agent.warmspare`: torch and the script's heavy modules imported, waiting on stdin), and
+the next launch hands each rank to a spare instead of spawning a fresh interpreter. A command
+that is not `<this python> script.py ...` always spawns fresh ranks. Spares cost memory (one
+interpreter with torch per rank) and, while they import, CPU beside the running attempt.
+
 It must never leave processes behind: `stop()` kills stopped (SIGSTOPped) ranks too, and
 `close()` stops whatever is still running.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import queue
@@ -75,6 +82,18 @@ class _Proc:
     output: IO[bytes]
 
 
+WARM_SPARE_DELAY_S = 3.0
+"""How long after a launch the spares for the next one start: not while the ranks just launched
+import torch and set up their process group on the same cores."""
+
+
+@dataclass
+class _Spare:
+    popen: subprocess.Popen[bytes]
+    script: str
+    log: IO[bytes]
+
+
 class LocalOrchestrator:
     """The Orchestrator port for processes on this machine."""
 
@@ -86,6 +105,9 @@ class LocalOrchestrator:
         heartbeat_s: float = env.DEFAULT_HEARTBEAT_S,
         checkpoint_dir: Path | None = None,
         agent_env: Mapping[str, str] | None = None,
+        warm_spares: bool = False,
+        spare_delay_s: float = WARM_SPARE_DELAY_S,
+        preload: tuple[str, ...] = (),
     ) -> None:
         self.workdir = workdir
         self.sink = sink
@@ -97,9 +119,19 @@ class LocalOrchestrator:
         self._ranks: list[_Proc] = []
         self._agents: dict[NodeId, subprocess.Popen[bytes]] = {}
         self._exits: queue.Queue[RankExit] = queue.Queue()
+        self._exited = threading.Event()
         self._plan: AttemptPlan | None = None
         self._stopping = False
         self.isolated: dict[NodeId, str] = {}
+        self.warm_spares = warm_spares
+        self.spare_delay_s = spare_delay_s
+        self.preload = preload
+        self._spares: list[_Spare] = []
+        self._spares_lock = threading.Lock()
+        self._spare_timer: threading.Timer | None = None
+        self._closed = False
+        self.last_launch: dict[str, float] = {}
+        """How the last launch went: `warm` and `cold` (ranks started each way), `seconds`."""
 
     # -- launching -------------------------------------------------------------------------
     def _start_agent(self, plan: AttemptPlan, node: NodeId) -> Path:
@@ -124,6 +156,8 @@ class LocalOrchestrator:
         self._plan = plan
         self._stopping = False
         self._ranks = []
+        started = time.monotonic()
+        warm = cold = 0
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         master_port = free_port()
         logdir = self.workdir / "logs" / f"attempt-{plan.attempt}"
@@ -157,20 +191,113 @@ class LocalOrchestrator:
                     env.TRACEHOUND_HEARTBEAT_S: str(self.heartbeat_s),
                     **recorder_env(job=plan.job, node=node, socket_path=str(sock)),
                 }
-                out = open(logdir / f"rank-{rank}.log", "ab")  # noqa: SIM115
-                popen = subprocess.Popen(
-                    list(plan.command), stdout=out, stderr=subprocess.STDOUT, env=rank_env,
-                    start_new_session=True,
-                )
-                proc = _Proc(rank=rank, node=node, popen=popen, output=out)
+                log_path = logdir / f"rank-{rank}.log"
+                proc = self._warm_rank(plan, rank, node, rank_env, log_path)
+                if proc is None:
+                    cold += 1
+                    out = open(log_path, "ab")  # noqa: SIM115
+                    popen = subprocess.Popen(
+                        list(plan.command), stdout=out, stderr=subprocess.STDOUT, env=rank_env,
+                        start_new_session=True,
+                    )
+                    proc = _Proc(rank=rank, node=node, popen=popen, output=out)
+                else:
+                    warm += 1
                 self._ranks.append(proc)
                 threading.Thread(
                     target=self._wait, args=(plan, proc), name=f"wait-rank-{rank}", daemon=True
                 ).start()
+        self.last_launch = {"warm": warm, "cold": cold, "seconds": time.monotonic() - started}
         JobLogger(log, job=plan.job).info(
-            "attempt %d: started %d ranks on %s (logs in %s)",
-            plan.attempt, world, ", ".join(plan.nodes), logdir,
+            "attempt %d: started %d ranks on %s (%d from warm spares; logs in %s)",
+            plan.attempt, world, ", ".join(plan.nodes), warm, logdir,
         )
+        self._schedule_spares(plan)
+
+    # -- warm spares -------------------------------------------------------------------------
+    def _warm_script(self, plan: AttemptPlan) -> str | None:
+        """The script a spare can run for this plan's command, if a spare can run it."""
+        command = plan.command
+        if (len(command) < 2 or os.path.realpath(command[0]) != os.path.realpath(sys.executable)
+                or command[1].startswith("-") or not command[1].endswith(".py")):
+            return None
+        return command[1]
+
+    def _warm_rank(self, plan: AttemptPlan, rank: int, node: NodeId,
+                   rank_env: dict[str, str], log_path: Path) -> _Proc | None:
+        """Hand the rank to a waiting spare; None when none can take it."""
+        script = self._warm_script(plan)
+        if script is None:
+            return None
+        while True:
+            with self._spares_lock:
+                spare = next((s for s in self._spares if s.script == script), None)
+                if spare is None:
+                    return None
+                self._spares.remove(spare)
+            if spare.popen.poll() is not None or spare.popen.stdin is None:
+                spare.log.close()
+                continue  # died while waiting: try the next one
+            assignment = {"argv": list(plan.command[2:]), "env": rank_env, "cwd": os.getcwd(),
+                          "log": str(log_path)}
+            try:
+                spare.popen.stdin.write(json.dumps(assignment).encode() + b"\n")
+                spare.popen.stdin.close()
+            except OSError as exc:
+                log.warning("warm spare %d could not take rank %d: %s", spare.popen.pid, rank,
+                            exc)
+                spare.log.close()
+                continue
+            return _Proc(rank=rank, node=node, popen=spare.popen, output=spare.log)
+
+    def _schedule_spares(self, plan: AttemptPlan) -> None:
+        if not self.warm_spares or self._warm_script(plan) is None:
+            return
+        if self._spare_timer is not None:
+            self._spare_timer.cancel()
+        self._spare_timer = threading.Timer(self.spare_delay_s, self._top_up, args=(plan,))
+        self._spare_timer.daemon = True
+        self._spare_timer.start()
+
+    def _top_up(self, plan: AttemptPlan) -> None:
+        """Start spares until there is one per rank of `plan`."""
+        script = self._warm_script(plan)
+        if script is None:
+            return
+        spare_env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEHOUND_")}
+        spare_env.update(plan.env)
+        spare_env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        spare_env["PYTHONUNBUFFERED"] = "1"
+        logdir = self.workdir / "logs" / "spares"
+        logdir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "tracehound.agent.warmspare", "--script", script]
+        if self.preload:
+            cmd += ["--preload", ",".join(self.preload)]
+        with self._spares_lock:
+            while not self._closed and len(self._spares) < plan.world_size:
+                out = open(logdir / f"spare-{len(os.listdir(logdir))}.log", "ab")  # noqa: SIM115
+                popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out,
+                                         stderr=subprocess.STDOUT, env=spare_env,
+                                         start_new_session=True)
+                self._spares.append(_Spare(popen=popen, script=script, log=out))
+
+    def _close_spares(self) -> None:
+        with self._spares_lock:
+            self._closed = True
+            spares, self._spares = self._spares, []
+        if self._spare_timer is not None:
+            self._spare_timer.cancel()
+        for spare in spares:
+            with contextlib.suppress(OSError):
+                if spare.popen.stdin is not None:
+                    spare.popen.stdin.close()  # end of input: the spare leaves by itself
+        for spare in spares:
+            try:
+                spare.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _signal_group(spare.popen, signal.SIGKILL)
+                spare.popen.wait()
+            spare.log.close()
 
     def _wait(self, plan: AttemptPlan, proc: _Proc) -> None:
         code = proc.popen.wait()
@@ -184,6 +311,7 @@ class LocalOrchestrator:
                 pid=proc.popen.pid, exit_code=code, time_us=at,
             )
         )
+        self._exited.set()
 
     # -- watching --------------------------------------------------------------------------
     def poll_exits(self) -> list[RankExit]:
@@ -193,6 +321,13 @@ class LocalOrchestrator:
                 out.append(self._exits.get_nowait())
             except queue.Empty:
                 return sorted(out, key=lambda e: e.time_us)
+
+    def wait_exit(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a rank to exit (the supervisor's poll wakes at once on a
+        crash instead of at its next tick); True if one did since the last call."""
+        exited = self._exited.wait(timeout_s)
+        self._exited.clear()
+        return exited
 
     def pid_of(self, rank: int) -> int | None:
         for proc in self._ranks:
@@ -244,6 +379,7 @@ class LocalOrchestrator:
         self.isolated[node] = reason
 
     def close(self) -> None:
+        self._close_spares()
         if any(p.popen.poll() is None for p in self._ranks) or self._agents:
             self.stop(grace_s=1.0)
         shutil.rmtree(self._sockdir, ignore_errors=True)

@@ -3,7 +3,10 @@
 The first rule is never to harm a healthy job: stop, isolate or restart only on evidence that
 holds; otherwise record, say so loudly and keep watching. Every threshold lives in one settings
 object, `PolicySettings`, one `KindRule` per verdict kind, on the analysis' confidence scale
-(`analysis.confidence`: CERTAIN 0.95, STRONG 0.85, LIKELY 0.7, WEAK 0.5, UNSURE 0.3).
+(`analysis.confidence`: CERTAIN 0.95, STRONG 0.85, LIKELY 0.7, WEAK 0.5, UNSURE 0.3). An operator
+sets them in one policy file (`controller.policyfile`), and every `PlannedAction` names, in
+`rule`, the path in that file of the setting that decided it ("rules.hang.isolate_from",
+"max_restarts_per_hour", "uncertain", ...).
 
 - Hard faults (crash, hang, hardware, silent hang) stop the job, isolate the culprit's node at
   once when the verdict reaches its kind's `isolate_from`, and restart from the latest complete
@@ -22,6 +25,16 @@ object, `PolicySettings`, one `KindRule` per verdict kind, on the analysis' conf
   are observed while the same verdict lasts less than `watch_s`, then the job restarts without
   evicting anyone. A crashed job is not running: it restarts at once, evicting only when the
   verdict is sure enough and the spares suffice.
+- With `uncertain: isolate_group`, a verdict that names its culprit ranks but is not sure enough
+  to evict their node (below its kind's `isolate_from` or `act_from`) evicts instead every node
+  of the smallest parallel group holding those ranks, at once, when the spares and the
+  isolation limits allow (ByteRobust's over-eviction: a few healthy machines cost less than a
+  long wait); otherwise it is treated as under `uncertain: watch`. Never for a kind that never
+  evicts, an unlocalized verdict, or a rank that was alive and busy.
+- Limits: `max_isolations` (per job) and `max_isolations_per_hour` bound the nodes evicted; when
+  an eviction would pass them the job restarts evicting nobody. `max_restarts` (per job) and
+  `max_restarts_per_hour` bound the restarts; `restart_delay_s` spaces them out (exponential
+  backoff).
 - The policy gives up only on a definite fault it cannot recover from: a program error, or
   restarts used up.
 """
@@ -29,7 +42,7 @@ object, `PolicySettings`, one `KindRule` per verdict kind, on the analysis' conf
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
@@ -122,15 +135,47 @@ def _default_rules() -> Mapping[IncidentKind, KindRule]:
     return DEFAULT_RULES
 
 
+class Uncertain(enum.StrEnum):
+    """What the policy does about a verdict that names its culprit ranks but is not sure enough
+    to evict their node (below its kind's `isolate_from`, or below its `act_from`)."""
+
+    WATCH = "watch"
+    """Evict nobody: a running job is watched for `watch_s` when the verdict is below `act_from`
+    (a crashed one restarts at once), and restarts at once when it is sure enough to act on but
+    not to evict."""
+    ISOLATE_GROUP = "isolate_group"
+    """Evict every node of the smallest parallel group holding the culprit ranks, at once, when
+    there are as many healthy spares and the isolation limits allow it; otherwise as WATCH.
+    Never for a kind that never evicts, an unlocalized verdict or a rank alive and busy."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicySettings:
-    """Every threshold of the recovery policy (see the module docstring)."""
+    """Every threshold of the recovery policy (see the module docstring). The policy file
+    (`controller.policyfile`) has one key per field, under the same name."""
 
     max_restarts: int = 3
     """Restarts allowed per job before the controller gives up."""
+    max_restarts_per_hour: int | None = None
+    """Restarts allowed within any hour (the caller counts them: `restarts_last_hour`) before
+    the controller gives up: a job failing again soon after every restart is not being
+    recovered (None: no hourly limit)."""
+    max_isolations: int | None = None
+    """Nodes that may be isolated per job (None: unlimited). A recovery whose eviction would
+    pass it restarts the job evicting nobody."""
+    max_isolations_per_hour: int | None = None
+    """Nodes that may be isolated within any hour (None: unlimited), as `max_isolations`: many
+    machines failing at once more likely mean a fault the policy misreads than bad machines."""
+    restart_backoff_s: float = 0.0
+    """Wait before the first restart, doubled for each restart after it (0: restart at once);
+    see `restart_delay_s`."""
+    restart_backoff_max_s: float = 300.0
+    """The longest wait before a restart."""
     watch_s: float = 600.0
     """How long an unsure verdict (or one naming more nodes than there are spares) on a running
     job is only watched before the job restarts without evicting anyone (`--busy-grace`)."""
+    uncertain: Uncertain = Uncertain.WATCH
+    """What to do about a localized verdict not sure enough to evict its culprits' node."""
     rules: Mapping[IncidentKind, KindRule] = field(default_factory=_default_rules)
     """The rule of each verdict kind; kinds left out get `KindRule()`."""
 
@@ -143,12 +188,27 @@ class PolicySettings:
         windows that show them and passes the count as `times_seen`."""
         return self.rule(kind).repeats > 1
 
+    def restart_delay_s(self, restarts_done: int) -> float:
+        """Seconds to wait before the next restart of a job that was restarted `restarts_done`
+        times: restart number n (n = restarts_done + 1) waits
+        min(restart_backoff_max_s, restart_backoff_s * 2**(n-1)); 0.0 is at once."""
+        if self.restart_backoff_s <= 0:
+            return 0.0
+        doublings = min(max(restarts_done, 0), 64)  # 2**64 times any backoff passes any cap
+        return min(self.restart_backoff_max_s, self.restart_backoff_s * 2.0**doublings)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlannedAction:
+    """One step of a plan, with why it is taken and which setting decided it."""
+
     kind: ActionKind
     target: str
     reason: str
+    rule: str = ""
+    """The setting that decided the step, as its path in the policy file: "rules.hang.act_from",
+    "rules.stall.response", "rules.straggler.repeats", "max_restarts", "uncertain", "watch_s",
+    ... The steps of one recovery (stop, isolations, restart or give up) name the same one."""
 
 
 def observe_only(plan: tuple[PlannedAction, ...]) -> bool:
@@ -156,37 +216,59 @@ def observe_only(plan: tuple[PlannedAction, ...]) -> bool:
     return all(a.kind is ActionKind.OBSERVE for a in plan)
 
 
-def _observe(target: str, reason: str) -> tuple[PlannedAction, ...]:
-    return (PlannedAction(kind=ActionKind.OBSERVE, target=target, reason=reason),)
+def smallest_group_nodes(
+    culprit_ranks: Iterable[int],
+    groups: Iterable[Collection[int]],
+    rank_nodes: Mapping[int, str],
+) -> tuple[str, ...]:
+    """The nodes of the smallest process group holding every culprit rank (fewest nodes, then
+    fewest ranks; the first of equals), ordered by their lowest rank: what `plan_recovery`
+    evicts under `Uncertain.ISOLATE_GROUP`, passed to it as `group_nodes`. `groups` are the
+    member ranks of the job's process groups, `rank_nodes` maps each global rank to its node.
+    () when there is no culprit or no group holds them all; ValueError when a member of a
+    group holding them has no node."""
+    culprits = set(culprit_ranks)
+    if not culprits:
+        return ()
+    best: tuple[tuple[int, int], tuple[str, ...]] | None = None
+    for members in groups:
+        ranks = sorted(set(members))
+        if not culprits.issubset(ranks):
+            continue
+        nodes: dict[str, None] = {}
+        for rank in ranks:
+            node = rank_nodes.get(rank)
+            if node is None:
+                raise ValueError(f"rank {rank} of a process group holding the culprit ranks "
+                                 f"{sorted(culprits)} has no node in rank_nodes")
+            nodes[node] = None
+        size = (len(nodes), len(ranks))
+        if best is None or size < best[0]:
+            best = (size, tuple(nodes))
+    return () if best is None else best[1]
 
 
-def _doubt(verdict: Verdict, rule: KindRule, *, evict: bool, nodes: int, spares: int) -> str:
-    """Why the verdict should not be acted on at once ("" when it should): it is not localized
-    or less sure than its kind's `act_from`, or it would evict more nodes than there are
-    spares."""
-    if verdict.basis is Basis.UNLOCALIZED or verdict.confidence < rule.act_from:
-        return (f"not sure enough to evict (confidence {verdict.confidence:.2f}, basis "
-                f"{verdict.basis.value}; {verdict.kind.value} is acted on from "
-                f"{rule.act_from:.2f})")
-    if evict and nodes > spares:
-        return f"{nodes} node(s) to isolate but only {spares} spare(s) left"
-    return ""
+def _observe(target: str, reason: str, rule: str) -> tuple[PlannedAction, ...]:
+    return (PlannedAction(kind=ActionKind.OBSERVE, target=target, reason=reason, rule=rule),)
 
 
-def _restart_reason(verdict: Verdict, rule: KindRule, *, machine: bool, doubt: str) -> str:
-    """Why nobody is evicted, if nobody is, before the restart itself."""
-    if not machine:
-        why = "the rank was alive and busy: its machine is not implicated; "
-    elif doubt:
-        why = f"{doubt}; nobody evicted; "
-    elif rule.isolate_from is None:
-        why = f"{verdict.kind.value} never evicts; "
-    elif verdict.confidence < rule.isolate_from:
-        why = (f"not sure enough to evict (confidence {verdict.confidence:.2f}, "
-               f"{verdict.kind.value} evicts from {rule.isolate_from:.2f}); nobody evicted; ")
-    else:
-        why = ""
-    return f"{why}resume from the latest complete checkpoint"
+def _isolation_limit(settings: PolicySettings, *, needed: int, done: int,
+                     last_hour: int) -> tuple[str, str]:
+    """The isolation limit that evicting `needed` more nodes would pass, as (its key, why);
+    ("", "") when none would be passed."""
+    per_job, per_hour = settings.max_isolations, settings.max_isolations_per_hour
+    if per_job is not None and done + needed > per_job:
+        return "max_isolations", (f"max_isolations: {done} of {per_job} node isolations used in "
+                                  f"this job, {needed} more needed")
+    if per_hour is not None and last_hour + needed > per_hour:
+        return "max_isolations_per_hour", (
+            f"max_isolations_per_hour: {last_hour} of {per_hour} node isolations used in the "
+            f"last hour, {needed} more needed")
+    return "", ""
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def plan_recovery(
@@ -197,44 +279,118 @@ def plan_recovery(
     settings: PolicySettings,
     times_seen: int = 1,
     watched_s: float = 0.0,
+    restarts_last_hour: int = 0,
+    isolations_done: int = 0,
+    isolations_last_hour: int = 0,
+    group_nodes: tuple[str, ...] = (),
 ) -> tuple[PlannedAction, ...]:
-    """The actions for a verdict, in the order they must be taken. `times_seen` counts the
-    consecutive windows that gave this verdict (kind and nodes), this one included; `watched_s`
-    is how long the same verdict has been seen on the running job."""
+    """The actions for a verdict, in the order they must be taken, each naming in `rule` the
+    setting that decided it. `times_seen` counts the consecutive windows that gave this verdict
+    (kind and nodes), this one included; `watched_s` is how long the same verdict has been seen
+    on the running job. `restarts_last_hour` counts the job's restarts within the last hour,
+    `isolations_done` and `isolations_last_hour` the nodes it had isolated in all and within
+    the last hour; `group_nodes` are the nodes of the smallest parallel group holding the
+    culprit ranks (`smallest_group_nodes`), evicted under `uncertain: isolate_group`."""
     rule = settings.rule(verdict.kind)
+    at = f"rules.{verdict.kind.value}"
     target = ", ".join(verdict.culprit_nodes) or verdict.job
     if rule.response is Response.OBSERVE:
         return _observe(target, f"{verdict.kind.value}: the rank is alive; nothing is done "
-                                "while it lasts")
+                                "while it lasts", f"{at}.response")
     if times_seen < rule.repeats:
         return _observe(target, f"soft fault seen {times_seen} time(s); acting at "
-                                f"{rule.repeats}")
-    stop = PlannedAction(kind=ActionKind.STOP_JOB, target=f"attempt {verdict.attempt}",
-                         reason=verdict.summary)
+                                f"{rule.repeats}", f"{at}.repeats")
+
+    def stop(decided: str) -> PlannedAction:
+        return PlannedAction(kind=ActionKind.STOP_JOB, target=f"attempt {verdict.attempt}",
+                             reason=verdict.summary, rule=decided)
+
+    def give_up(decided: str, reason: str) -> tuple[PlannedAction, ...]:
+        return (stop(decided), PlannedAction(kind=ActionKind.GIVE_UP, target=verdict.job,
+                                             reason=reason, rule=decided))
+
     if rule.response is Response.GIVE_UP:
-        return (stop, PlannedAction(
-            kind=ActionKind.GIVE_UP, target=verdict.job,
-            reason="the training program itself is at fault; a restart would repeat it",
-        ))
+        return give_up(f"{at}.response",
+                       "the training program itself is at fault; a restart would repeat it")
     running = verdict.kind not in STOPPED_KINDS
-    nodes = [NodeId(n) for n in verdict.culprit_nodes]
+    nodes = tuple(NodeId(n) for n in verdict.culprit_nodes)
     machine = verdict.basis is not Basis.BUSY_TIMEOUT
-    evict = (machine and rule.isolate_from is not None
-             and verdict.confidence >= rule.isolate_from)
-    doubt = _doubt(verdict, rule, evict=evict, nodes=len(nodes), spares=healthy_spares)
+    localized = verdict.basis is not Basis.UNLOCALIZED
+    unsure = not localized or verdict.confidence < rule.act_from
+    sure = (machine and rule.isolate_from is not None
+            and verdict.confidence >= rule.isolate_from)
+    limit_key, limit = "", ""
+    if sure:
+        limit_key, limit = _isolation_limit(settings, needed=len(nodes), done=isolations_done,
+                                            last_hour=isolations_last_hour)
+    # why a running job is not stopped at once ("" when it is), and the setting that says so
+    doubt, doubt_key = "", ""
+    if unsure:
+        doubt, doubt_key = (f"not sure enough to evict (confidence {verdict.confidence:.2f}, "
+                            f"basis {verdict.basis.value}; {verdict.kind.value} is acted on "
+                            f"from {rule.act_from:.2f})"), f"{at}.act_from"
+    elif sure and not limit and len(nodes) > healthy_spares:
+        doubt = f"{len(nodes)} node(s) to isolate but only {healthy_spares} spare(s) left"
+        doubt_key = "watch_s" if running else f"{at}.isolate_from"
+
+    evict: tuple[str, ...] = nodes if sure and not limit and not doubt else ()
+    decided = limit_key or f"{at}.isolate_from"
+    isolate_why = f"{verdict.kind.value}: confidence {verdict.confidence:.2f}"
+    group_note = ""  # why the smallest group is not evicted after all, under isolate_group
+    if (settings.uncertain is Uncertain.ISOLATE_GROUP and machine and localized
+            and rule.isolate_from is not None and (unsure or not sure)):
+        group_limit = _isolation_limit(settings, needed=len(group_nodes), done=isolations_done,
+                                       last_hour=isolations_last_hour)[1]
+        if not group_nodes:
+            group_note = f"no parallel group holding {_ranks(verdict.culprit_ranks)} is known"
+        elif len(group_nodes) > healthy_spares:
+            group_note = (f"the {len(group_nodes)} node(s) of the smallest group holding "
+                          f"{_ranks(verdict.culprit_ranks)} exceed the {healthy_spares} "
+                          "spare(s) left")
+        elif group_limit:
+            group_note = group_limit
+        else:
+            evict, doubt, decided = group_nodes, "", "uncertain"
+            threshold = rule.act_from if unsure else rule.isolate_from
+            isolate_why = (f"{verdict.kind.value}: confidence {verdict.confidence:.2f} is below "
+                           f"{threshold:.2f}: every node of the smallest group holding "
+                           f"{_ranks(verdict.culprit_ranks)} is evicted "
+                           "(uncertain: isolate_group)")
+    also = f" (uncertain: isolate_group, but {group_note})" if group_note else ""
+
     if doubt and running and watched_s < settings.watch_s:
-        return _observe(target, f"{doubt}: watching; restarting without evicting anyone if it "
-                                f"lasts {settings.watch_s:.0f} s")
+        return _observe(target, f"{doubt}{also}: watching; restarting without evicting anyone "
+                                f"if it lasts {settings.watch_s:.0f} s", doubt_key)
     if restarts_done >= settings.max_restarts:
-        used = f"{restarts_done} restarts used of {settings.max_restarts}"
-        return (stop, PlannedAction(kind=ActionKind.GIVE_UP, target=verdict.job, reason=used))
-    isolate = [
-        PlannedAction(kind=ActionKind.ISOLATE_NODE, target=n,
-                      reason=f"{verdict.kind.value}: confidence {verdict.confidence:.2f}")
-        for n in nodes
-    ] if evict and not doubt else []
-    restart = PlannedAction(
-        kind=ActionKind.RESTART, target=f"attempt {verdict.attempt + 1}",
-        reason=_restart_reason(verdict, rule, machine=machine, doubt=doubt),
-    )
-    return (stop, *isolate, restart)
+        return give_up("max_restarts", f"{restarts_done} restarts used of "
+                                       f"{settings.max_restarts} (max_restarts)")
+    per_hour = settings.max_restarts_per_hour
+    if per_hour is not None and restarts_last_hour >= per_hour:
+        return give_up("max_restarts_per_hour",
+                       f"max_restarts_per_hour: {restarts_last_hour} of {per_hour} restarts "
+                       "used in the last hour; the job keeps failing soon after its restarts")
+
+    if decided == "uncertain":
+        why = ""
+    elif not machine:
+        decided = ("watch_s" if running else doubt_key) if doubt else f"{at}.act_from"
+        why = "the rank was alive and busy: its machine is not implicated; "
+    elif doubt:
+        decided = "watch_s" if running else doubt_key
+        why = f"{doubt}{also}; nobody evicted; "
+    elif limit:
+        why = f"{limit}; nobody evicted; "
+    elif rule.isolate_from is None:
+        why = f"{verdict.kind.value} never evicts; "
+    elif verdict.confidence < rule.isolate_from:
+        why = (f"not sure enough to evict (confidence {verdict.confidence:.2f}, "
+               f"{verdict.kind.value} evicts from {rule.isolate_from:.2f}){also}; "
+               "nobody evicted; ")
+    else:
+        why = ""
+    isolate = [PlannedAction(kind=ActionKind.ISOLATE_NODE, target=n, reason=isolate_why,
+                             rule=decided) for n in evict]
+    restart = PlannedAction(kind=ActionKind.RESTART, target=f"attempt {verdict.attempt + 1}",
+                            reason=f"{why}resume from the latest complete checkpoint",
+                            rule=decided)
+    return (stop(decided), *isolate, restart)

@@ -30,6 +30,7 @@ from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import load_observation
 from tracehound.analysis.snapshot import JobSnapshot, snapshot_to_json
 from tracehound.analysis.verdict import Fact, Verdict
+from tracehound.controller.alerts import Alert, Status, alert_for
 from tracehound.controller.journal import JOURNAL_FILE, STORE_RETRY, Journal, Outbox
 from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes, Orchestrator
 from tracehound.controller.policy import (
@@ -38,7 +39,9 @@ from tracehound.controller.policy import (
     PolicySettings,
     observe_only,
     plan_recovery,
+    smallest_group_nodes,
 )
+from tracehound.controller.restarts import PendingRestart, RestartTiming, fault_time, measure
 from tracehound.tracing.errors import TemporaryStoreError
 from tracehound.tracing.events import Action, ActionKind, Incident, RankExit, now_us
 from tracehound.tracing.ids import JobId, NodeId
@@ -89,6 +92,8 @@ class RunResult:
     incidents: tuple[Incident, ...]
     reason: str
     """Why the run ended, in words."""
+    restarts: tuple[RestartTiming, ...] = ()
+    """The restarts measured through to the new attempt's first step, with their phases."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +118,13 @@ class Supervisor:
         observer: Callable[[PollView], None] | None = None,
         evidence_dir: Path | None = None,
         journal_path: Path | None = None,
+        notify: Callable[[Alert], object] | None = None,
     ) -> None:
         """`journal_path` is where records wait for the store (default: `journal.jsonl` in
-        `evidence_dir`; with neither they wait in memory only and are lost with the process)."""
+        `evidence_dir`; with neither they wait in memory only and are lost with the process).
+        `notify` is told each incident as it fires, and again once the job is healthy (the
+        restarted attempt made its first step, or the attempt finished): the alert outbox's
+        `Dispatcher.enqueue`, usually."""
         self.spec = spec
         self.store = store
         self.orch = orchestrator
@@ -124,6 +133,9 @@ class Supervisor:
         self.sleep = sleep
         self.observer = observer
         self.evidence_dir = evidence_dir
+        self.notify = notify
+        self._open: list[Incident] = []
+        """Incidents announced and not yet resolved."""
         self._last_snapshot: JobSnapshot | None = None
         self._soft_seen: dict[tuple[str, tuple[str, ...]], int] = {}
         self._first_seen: dict[tuple[object, ...], int] = {}
@@ -136,6 +148,12 @@ class Supervisor:
         )
         self.log = JobLogger(log, job=spec.job)
         self._incidents: list[Incident] = []
+        self._restarts: list[RestartTiming] = []
+        self._restart_times: list[int] = []
+        """When each restart of this run was decided (us): the policy's hourly limit."""
+        self._isolation_times: list[int] = []
+        """When each node was isolated (us): the policy's isolation limits."""
+        self._pending_restart: PendingRestart | None = None
         self._ids = itertools.count(1)
         if journal_path is None and evidence_dir is not None:
             journal_path = evidence_dir / JOURNAL_FILE
@@ -158,7 +176,15 @@ class Supervisor:
                     nproc_per_node=self.spec.nproc_per_node, command=self.spec.command,
                     env=self.spec.env,
                 )
+                pending = self._pending_restart
+                if pending is not None:
+                    pending.launch_begin_us = self.clock()
                 self.orch.launch(plan)
+                if pending is not None:
+                    pending.launch_end_us = self.clock()
+                    launched = getattr(self.orch, "last_launch", {})
+                    pending.warm = int(launched.get("warm", 0))
+                    pending.cold = int(launched.get("cold", plan.world_size))
                 outcome = self._supervise(plan, started)
                 if outcome is None:
                     self.orch.finish()
@@ -174,6 +200,12 @@ class Supervisor:
                                         reason=f"gave up after {verdict.kind.value} "
                                                f"({verdict.summary}): {gave_up}")
                 attempt += 1
+                self._restart_times.append(self.clock())
+                delay = self.settings.policy.restart_delay_s(attempt - 1)
+                if delay > 0:
+                    self.log.info("restart %d: backing off %.1f s first (restart_backoff_s)",
+                                  attempt, delay)
+                    self.sleep(delay)
         finally:
             try:
                 self.orch.close()
@@ -190,7 +222,8 @@ class Supervisor:
 
     def _result(self, attempts: int, *, completed: bool, reason: str) -> RunResult:
         return RunResult(job=self.spec.job, completed=completed, attempts=attempts,
-                         incidents=tuple(self._incidents), reason=reason)
+                         incidents=tuple(self._incidents), reason=reason,
+                         restarts=tuple(self._restarts))
 
     # -- one attempt ---------------------------------------------------------------------------
     def _supervise(
@@ -205,19 +238,27 @@ class Supervisor:
         timeout_us = (
             int(self.settings.timeout_s * 1e6) if self.settings.timeout_s is not None else None
         )
+        wait_exit = getattr(self.orch, "wait_exit", None)
         while True:
-            self.sleep(self.settings.poll_s)
+            if wait_exit is not None:  # wake at once when a rank exits
+                wait_exit(self.settings.poll_s)
+            else:
+                self.sleep(self.settings.poll_s)
             for exit_ in self.orch.poll_exits():
                 self._record_exit(exit_)
                 if exit_.exit_code == 0:
                     clean.add(exit_.rank)
             if len(clean) == plan.world_size:
+                self._measure_restart(plan, None)
+                self._resolve_open()
                 return None
             now = self.clock()
             if timeout_us is not None and now - started_us > timeout_us:
                 return f"timed out after {self.settings.timeout_s:.0f} s"
             refresh = now - last_summaries_us >= int(self.settings.summaries_every_s * 1e6)
-            self.outbox.flush()
+            # the exits go to the store before the snapshot is read: read first, a crash would
+            # wait a poll to be seen
+            exits_stored = self._exits_stored()
             try:
                 obs = load_observation(
                     self.store, job=plan.job, attempt=plan.attempt, now_us=now,
@@ -230,7 +271,8 @@ class Supervisor:
             except TemporaryStoreError as exc:
                 self.log.warning("store unavailable, analysis paused: %s", exc)
                 continue
-            if not self._exits_stored():
+            self._measure_restart(plan, obs.snapshot)
+            if not exits_stored:
                 continue
             if self.observer is not None:
                 self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
@@ -246,6 +288,52 @@ class Supervisor:
                 self._recorded.add(key)
                 self._recover(verdict, steps)  # observed only; the attempt goes on
 
+    def _measure_restart(self, plan: AttemptPlan, snapshot: JobSnapshot | None) -> None:
+        """Once every rank of a restarted attempt has made its first step: record where the
+        restart's time went (a `resumed` action on the incident, and in the run's result)."""
+        pending = self._pending_restart
+        if pending is None or pending.attempt != plan.attempt:
+            return
+        if snapshot is None:  # the attempt finished before a poll saw its first steps
+            try:
+                snapshot = load_observation(
+                    self.store, job=plan.job, attempt=plan.attempt, now_us=self.clock(),
+                    window_s=self.settings.window_s, expected_ranks=plan.rank_nodes(),
+                    summaries=False,
+                ).snapshot
+            except TemporaryStoreError:
+                return
+        timing = measure(pending, snapshot)
+        if timing is None:
+            return
+        self._pending_restart = None
+        self._resolve_open()
+        self._restarts.append(timing)
+        self.log.info("restart of incident %s: %s", pending.incident_id, timing.describe())
+        self.outbox.put(Action(
+            job=plan.job, incident_id=pending.incident_id, kind=ActionKind.RESUMED,
+            target=f"attempt {plan.attempt}", time_us=max(self.clock(), timing.resumed_us),
+            ok=True, detail=timing.describe(),
+        ))
+
+    def _announce(self, incident: Incident, status: Status) -> None:
+        """Tell `notify` about an incident; a failure there is logged, never raised."""
+        if self.notify is None:
+            return
+        if status == "firing":
+            self._open.append(incident)
+        try:
+            self.notify(alert_for(incident, status=status, at_us=self.clock()))
+        except Exception as exc:
+            self.log.error("could not queue the %s alert of incident %s: %r", status,
+                           incident.incident_id, exc)
+
+    def _resolve_open(self) -> None:
+        """The job is healthy again: every open incident resolves."""
+        open_, self._open = self._open, []
+        for incident in open_:
+            self._announce(incident, "resolved")
+
     def _exits_stored(self) -> bool:
         """Whether the store has every exit seen so far (the store answered: try it now). The
         analysis waits until it has: without them a crash would read as a silence."""
@@ -259,11 +347,27 @@ class Supervisor:
 
     def _plan(self, verdict: Verdict, now_us: int) -> tuple[PlannedAction, ...]:
         first = self._first_seen.setdefault(_episode(verdict), now_us)
+        hour_ago = now_us - 3_600_000_000
+        snapshot = self._last_snapshot
+        group_nodes: tuple[str, ...] = ()
+        if snapshot is not None and verdict.culprit_ranks:
+            members = {(g.group, g.ranks) for g in snapshot.groups}
+            try:
+                group_nodes = smallest_group_nodes(
+                    verdict.culprit_ranks, [ranks for _, ranks in members],
+                    dict(snapshot.expected_ranks),
+                )
+            except ValueError as exc:  # a group member the attempt does not place
+                self.log.warning("no parallel group to over-evict: %s", exc)
         return plan_recovery(
             verdict, restarts_done=verdict.attempt,
             healthy_spares=len(self.pool.healthy_spares()), settings=self.settings.policy,
             times_seen=self._times_seen(verdict) if verdict.kind in SOFT_KINDS else 1,
             watched_s=(now_us - first) / 1e6,
+            restarts_last_hour=sum(t > hour_ago for t in self._restart_times),
+            isolations_done=len(self._isolation_times),
+            isolations_last_hour=sum(t > hour_ago for t in self._isolation_times),
+            group_nodes=group_nodes,
         )
 
     def _times_seen(self, verdict: Verdict) -> int:
@@ -307,7 +411,13 @@ class Supervisor:
         self.log.warning("incident %s: %s %s (confidence %.2f)", incident_id, verdict.kind.value,
                          verdict.summary, verdict.confidence)
         self.outbox.put(incident)
+        self._announce(incident, "firing")
         self._keep_evidence(incident_id)
+        if any(step.kind is ActionKind.RESTART for step in plan):
+            self._pending_restart = PendingRestart(
+                incident_id=incident_id, attempt=verdict.attempt + 1,
+                fault_us=fault_time(verdict, self._last_snapshot), detected_us=detected,
+            )
         actions: list[Action] = []
         gave_up: str | None = None
         at = detected
@@ -318,7 +428,7 @@ class Supervisor:
                 gave_up = step.reason
             action = Action(job=verdict.job, incident_id=incident_id, kind=step.kind,
                             target=step.target, time_us=at, ok=ok,
-                            detail=detail or step.reason)
+                            detail=detail or step.reason, rule=step.rule)
             actions.append(action)
             self.outbox.put(action)
         self._incidents.append(msgspec.structs.replace(incident, actions=tuple(actions)))
@@ -340,10 +450,16 @@ class Supervisor:
         level = logging.WARNING if step.kind is ActionKind.OBSERVE else logging.INFO
         self.log.log(level, "action %s %s: %s", step.kind.value, step.target, step.reason)
         if step.kind is ActionKind.STOP_JOB:
+            pending = self._pending_restart
+            if pending is not None:
+                pending.stop_begin_us = self.clock()
             self.orch.stop()
+            if pending is not None:
+                pending.stop_end_us = self.clock()
             return True, f"stopped; {step.reason}"
         if step.kind is ActionKind.ISOLATE_NODE:
             node = NodeId(step.target)
+            self._isolation_times.append(self.clock())
             self.pool.isolate(node, step.reason)
             self.orch.isolate(node, reason=step.reason)
             return True, f"isolated {node}: {step.reason}"

@@ -150,6 +150,9 @@ class Heartbeat(RankRecord, frozen=True, tag="heartbeat"):
     dropped: U64
     """Events the recorder in this process has dropped so far (full buffer, encoding failure)."""
     groups: Annotated[tuple[GroupProgress, ...], column("group")] = ()
+    resumed_us: U64 = 0
+    """When this process finished loading the checkpoint it resumed from; 0 for a fresh start
+    (or a recorder that predates it). A restart's checkpoint-load phase ends here."""
 
 
 @record_kind
@@ -330,6 +333,9 @@ class ActionKind(enum.StrEnum):
     GIVE_UP = "give_up"
     OBSERVE = "observe"
     """A soft fault was recorded; the controller acts if it is seen again."""
+    RESUMED = "resumed"
+    """The restarted job made its first step on every rank; the detail says where the
+    restart's time went (`controller.restarts`)."""
 
 
 @record_kind
@@ -348,6 +354,9 @@ class Action(RecordBase, frozen=True, tag="action"):
     time_us: U64
     ok: bool
     detail: Text = ""
+    rule: Text = ""
+    """The policy rule that decided it: a path into the policy file (`rules.hang.isolate_from`,
+    `max_restarts`, ...); "" for what no rule decides (a restart's `resumed` report)."""
 
 
 @record_kind

@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             mean_loss = float(loss.item())
         if args.print_every > 0 and done % args.print_every == 0:
             print(f"rank {rank}/{world}: step {done} loss {mean_loss:.4f}", flush=True)
+        if start and step == start:  # what a restart benchmark times: training resumed here
+            print(f"rank {rank}/{world}: first step after resume at {time.time():.6f}",
+                  flush=True)
         if (
             args.checkpoint_every > 0
             and done % args.checkpoint_every == 0

@@ -571,7 +571,8 @@ def test_bad_receivers_name_the_file_and_field(
 
 
 @pytest.mark.parametrize(("doc", "message"), [
-    ("{not json", "not valid JSON"),
+    ("{not json", "not valid YAML or JSON (line 1)"),
+    ("receivers:\n  - name: a\n kind: slack", "not valid YAML or JSON (line 3)"),
     ({"receiver": []}, 'expected an object {"receivers": [...]}'),
     ([], 'expected an object {"receivers": [...]}'),
 ])

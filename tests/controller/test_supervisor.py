@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from supervisor_fakes import Clock, S, ScriptedOrchestrator
 
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.snapshot import snapshot_from_json
+from tracehound.controller.alerts import Alert
 from tracehound.controller.policy import PolicySettings
+from tracehound.controller.restarts import PHASES
 from tracehound.controller.supervisor import JobSpec, PollView, Supervisor, SupervisorSettings
 from tracehound.tracing.events import (
     ActionKind,
@@ -45,6 +48,7 @@ def test_hang_is_recorded_isolated_and_restarted_on_the_spare(
     orch = ScriptedOrchestrator()
     stall_at = clock.now + 2 * S
     polls: list[int] = []
+    alerts: list[Alert] = []
 
     def world(view: PollView) -> None:
         """Attempt 0: rank 3 stops at #40 while 0-2 wait in #41. Attempt 1: trains and exits."""
@@ -69,13 +73,19 @@ def test_hang_is_recorded_isolated_and_restarted_on_the_spare(
                      spare_nodes=1),
         store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
         settings=SupervisorSettings(poll_s=0.5, detection=DetectionSettings(hang_after_s=5.0)),
-        evidence_dir=tmp_path,
+        evidence_dir=tmp_path, notify=alerts.append,
     )
     result = sup.run()
 
     assert result.completed is True
     assert result.attempts == 2
     assert [p.nodes for p in orch.plans] == [("node-0", "node-1"), ("node-0", "node-2")]
+    # announced when it fired, resolved once the restarted attempt made its first steps
+    assert [(a.status, a.incident_id, a.kind, a.culprit_nodes) for a in alerts] == [
+        ("firing", f"{JOB}/0/1", "hang", ("node-1",)),
+        ("resolved", f"{JOB}/0/1", "hang", ("node-1",)),
+    ]
+    assert alerts[0].severity == "critical" and alerts[1].at_us >= alerts[0].at_us
     assert orch.isolated == ["node-1"]
     assert orch.stopped == 1 and orch.finished == 1 and orch.closed
     # Polls every 0.5 s; ranks 0-2 entered #41 at 2.0 s. Their heartbeats sent at 7.0 s (5 s of
@@ -91,7 +101,17 @@ def test_hang_is_recorded_isolated_and_restarted_on_the_spare(
         (ActionKind.STOP_JOB, "attempt 0", True),
         (ActionKind.ISOLATE_NODE, "node-1", True),
         (ActionKind.RESTART, "attempt 1", True),
+        (ActionKind.RESUMED, "attempt 1", True),
     ]
+    # every decision names the policy rule that made it
+    assert [a.rule for a in incident.actions] == ["rules.hang.isolate_from"] * 3 + [""]
+    # the restart is measured through to attempt 1's first steps, phase by phase
+    (restart,) = result.restarts
+    assert restart.incident_id == incident.incident_id and restart.attempt == 1
+    assert list(restart.phases) == list(PHASES)
+    assert all(v >= 0 for v in restart.phases.values())
+    assert restart.resume_s == pytest.approx(sum(restart.phases.values()))
+    assert "resumed" in incident.actions[-1].detail
     (evidence,) = tmp_path.glob("*.snapshot.json")
     replay = snapshot_from_json(evidence.read_text())
     assert replay.attempt == 0 and len(replay.heartbeats) == 4

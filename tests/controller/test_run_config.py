@@ -1,0 +1,57 @@
+"""`tracehound run --policy FILE --alerts FILE`: a bad file stops the run before anything starts,
+with a message naming the file and the field; `tracehound policy` checks a file on its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tracehound.controller.cli import main
+
+
+def _run(tmp_path: Path, *flags: str) -> list[str]:
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    return ["run", "--nnodes", "1", "--nproc-per-node", "1", "--workdir", str(tmp_path / "w"),
+            "--store", f"chdb://{tmp_path / 'store'}", *flags, str(script)]
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("version: 1\nrules:\n  hang: {act_from: high}\n", "rules.hang.act_from"),
+    ("version: 1\nmax_restart: 3\n", "max_restart"),
+    ("version: 2\n", "version"),
+    ("version: 1\nrules:\n  hangs: {}\n", "rules.hangs"),
+])
+def test_a_bad_policy_file_is_refused_naming_the_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, field: str) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(text)
+    assert main(_run(tmp_path, "--policy", str(policy))) == 2
+    err = capsys.readouterr().err
+    assert f"{policy}: {field}" in err
+    assert not (tmp_path / "w").exists()  # nothing was launched
+
+
+@pytest.mark.parametrize(("doc", "field"), [
+    ({"receivers": [{"name": "s", "kind": "slak", "url": "http://127.0.0.1:1/x"}]},
+     "receivers[0].kind"),
+    ({"receivers": [{"name": "p", "kind": "pagerduty", "url": "http://127.0.0.1:1/x"}]},
+     "receivers[0].routing_key"),
+])
+def test_a_bad_alerts_file_is_refused_naming_the_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], doc: object, field: str) -> None:
+    alerts = tmp_path / "alerts.json"
+    alerts.write_text(json.dumps(doc))
+    assert main(_run(tmp_path, "--alerts", str(alerts))) == 2
+    err = capsys.readouterr().err
+    assert f"{alerts}: {field}" in err
+
+
+def test_policy_check_and_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "--defaults"]) == 0
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text(capsys.readouterr().out)
+    assert main(["policy", "--check", str(defaults)]) == 0
+    assert f"{defaults}: ok" in capsys.readouterr().out
