@@ -613,7 +613,7 @@ def _averaged(trampoline: _Trampoline, bucket: Any) -> Any:
 
     def reduced(fut: Any) -> Any:
         try:
-            value = fut.value()[0]
+            value = _first_of(fut)
         except BaseException:
             with contextlib.suppress(Exception):
                 recorder.end(token, False)

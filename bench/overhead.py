@@ -166,17 +166,17 @@ def interleaved(args: argparse.Namespace) -> dict[str, Any]:
             return interleaved_run(args, Path(tmp), control=control, python_hook=python_hook)
 
     result: dict[str, Any] = {}
-    if args.control:
-        control = run(True)
-        result["control_ratio"] = round(statistics.median(control), 4)
-        result["control_pair_ratio_iqr"] = [round(x, 4) for x in quartiles(control)]
-        progress(f"control run (both plain): ratio {result['control_ratio']}")
-    if args.python_hook:
-        hooked = run(True, python_hook=True)
-        result["python_hook_ratio"] = round(statistics.median(hooked), 4)
-        result["python_hook_pair_ratio_iqr"] = [round(x, 4) for x in quartiles(hooked)]
-        progress(f"torch's own Python allreduce_hook, untraced, against DDP's C++ all-reduce: "
-                 f"ratio {result['python_hook_ratio']}")
+    # the comparisons without the recorder: (asked for, key, python_hook, what it compares)
+    for asked, key, python_hook, what in (
+        (args.control, "control", False, "control run (both plain)"),
+        (args.python_hook, "python_hook", True, "torch's own Python allreduce_hook, untraced, "
+                                                "against DDP's C++ all-reduce"),
+    ):
+        if asked:
+            ratios = run(True, python_hook=python_hook)
+            result[f"{key}_ratio"] = round(statistics.median(ratios), 4)
+            result[f"{key}_pair_ratio_iqr"] = [round(x, 4) for x in quartiles(ratios)]
+            progress(f"{what}: ratio {result[f'{key}_ratio']}")
     every: list[float] = []
     per_run: list[float] = []
     for i in range(args.runs):

@@ -483,6 +483,11 @@ class Outbox:
     def _dir(self, sub: str, receiver: str) -> Path:
         return self.directory / sub / receiver
 
+    def _done(self, receiver: str, key: str) -> bool:
+        """Whether the receiver's delivery `key` was delivered or set aside already."""
+        return ((self._dir("sent", receiver) / key).exists()
+                or (self._dir("failed", receiver) / f"{key}.json").exists())
+
     def _recover(self) -> None:
         for receiver_dir in sorted((self.directory / "pending").iterdir()):
             if not receiver_dir.is_dir():
@@ -495,8 +500,7 @@ class Outbox:
                 if not seq_text.isdigit() or not key:
                     continue
                 self._seq = max(self._seq, int(seq_text) + 1)
-                if ((self._dir("sent", receiver_dir.name) / key).exists()
-                        or (self._dir("failed", receiver_dir.name) / f"{key}.json").exists()):
+                if self._done(receiver_dir.name, key):
                     path.unlink()  # done with, then the controller ended before removing it
                     continue
                 files[key] = path
@@ -513,8 +517,7 @@ class Outbox:
         with self._lock:
             for name in self.receivers:
                 pending = self._pending.setdefault(name, {})
-                if (key in pending or (self._dir("sent", name) / key).exists()
-                        or (self._dir("failed", name) / f"{key}.json").exists()):
+                if key in pending or self._done(name, key):
                     continue
                 directory = self._dir("pending", name)
                 _make_dir(directory)
