@@ -3,6 +3,7 @@
     tracehound demo       inject a fault into a real job and watch Tracehound recover it
     tracehound run        launch and supervise a torchrun-style job
     tracehound incidents  list stored incidents and the actions taken
+    tracehound status     a supervised job's state, attempts, isolated nodes, open incidents
     tracehound diagnose   explain a job's state from its stored traces
     tracehound simulate   write a simulated job's traces (with a fault) to a store
     tracehound agent      run a node agent on its own (torchrun, srun, Ray, Kubernetes)
@@ -26,7 +27,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tracehound.controller import importfr, launchers, policyfile, stacks_cli, tracefiles
+from tracehound.controller import (
+    importfr,
+    launchers,
+    policyfile,
+    stacks_cli,
+    status,
+    tracefiles,
+)
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.ids import JobId
@@ -214,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     importfr.add_parser(sub, _store_arg)
     launchers.add_parsers(sub, _store_arg)
     policyfile.add_parser(sub)
+    status.add_parser(sub, _store_arg)
     return parser
 
 
@@ -297,23 +306,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _incident_json(incident: Any) -> dict[str, Any]:
-    return {
-        "job": incident.job,
-        "incident_id": incident.incident_id,
-        "attempt": incident.attempt,
-        "kind": incident.kind,
-        "culprit_ranks": list(incident.culprit_ranks),
-        "culprit_nodes": list(incident.culprit_nodes),
-        "confidence": incident.confidence,
-        "summary": incident.summary,
-        "detected_at": incident.detected_at_us / 1e6,
-        "actions": [
-            {"kind": a.kind.value, "target": a.target, "ok": a.ok, "detail": a.detail,
-             "at": a.time_us / 1e6}
-            for a in incident.actions
-        ],
-        "verdict": json.loads(incident.verdict_json) if incident.verdict_json else None,
-    }
+    return status.incident_json(incident)
 
 
 def _incident_line(incident: Any) -> str:

@@ -45,6 +45,12 @@ class ScriptedOrchestrator:
     def isolate(self, node: NodeId, *, reason: str) -> None:
         self.isolated.append(node)
 
+    def adopt(self, plan: AttemptPlan) -> bool:
+        return False
+
+    def kill_leftovers(self, attempt: int) -> int:
+        return 0
+
     def close(self) -> None:
         self.closed = True
 

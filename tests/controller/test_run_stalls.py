@@ -75,8 +75,8 @@ def test_the_frozen_side_of_a_p2p_pair_is_named_first(tmp_path: Path) -> None:
     assert len(hangs) == 1, incidents
     assert hangs[0]["culprit_ranks"][0] == 1
     assert hangs[0]["culprit_nodes"][0] == "node-1"
-    assert [a["kind"] for a in hangs[0]["actions"]] == [
-        "stop_job", "isolate_node", "restart", "resumed"]
+    # its script makes no optimizer step: the restart cannot be measured to a first step
+    assert [a["kind"] for a in hangs[0]["actions"]] == ["stop_job", "isolate_node", "restart"]
     assert hangs[0]["actions"][1]["target"] == "node-1"
 
 
