@@ -21,8 +21,8 @@ from supervisor_fakes import Clock, S
 
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.controller.jobstate import read_history
-from tracehound.controller.status import format_status, job_status
 from tracehound.controller.orchestrator import AttemptPlan
+from tracehound.controller.status import format_status, job_status
 from tracehound.controller.supervisor import JobSpec, PollView, Supervisor, SupervisorSettings
 from tracehound.tracing.events import (
     Action,
