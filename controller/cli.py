@@ -38,6 +38,7 @@ from tracehound.controller import (
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.ids import JobId
+from tracehound.tracing.settings import TRACEHOUND_ALERTS
 
 EPILOG_RUN = """\
 Every rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), so a
@@ -160,9 +161,10 @@ def _parser() -> argparse.ArgumentParser:
                           "watch_s replaces --busy-grace as the time an unsure verdict is "
                           "watched")
     run.add_argument("--alerts", type=Path, metavar="FILE",
-                     help="alert receivers (YAML or JSON: Alertmanager, Slack, PagerDuty, "
-                          "signed webhook); undelivered alerts wait in WORKDIR/JOB/alerts for "
-                          "the next run")
+                     help="this job's alert receivers (YAML or JSON: Alertmanager, Slack, "
+                          "PagerDuty, signed webhook), beside the global ones of "
+                          "$TRACEHOUND_ALERTS; undelivered alerts wait in WORKDIR/JOB/alerts "
+                          "for the next run")
     run.add_argument("--warm-spares", action=argparse.BooleanOptionalAction, default=True,
                      help="keep one process per rank with torch and the script's heavy modules "
                           "already imported, so a restart skips spawning and importing (costs "
@@ -270,10 +272,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = _supervisor_settings(args, timeout_s=args.timeout)
     workdir = args.workdir / args.job_id
     dispatcher = None
+    files = [(f"${TRACEHOUND_ALERTS} ({os.environ[TRACEHOUND_ALERTS]})",
+              Path(os.environ[TRACEHOUND_ALERTS]))] if os.environ.get(TRACEHOUND_ALERTS) else []
     if args.alerts is not None:
+        files.append((str(args.alerts), args.alerts))
+    if files:
         from tracehound.controller import alerts
 
-        receivers = alerts.load_receivers(args.alerts)  # AlertConfigError names the field
+        # AlertConfigError names the file and the field
+        receivers = alerts.merge_receivers(*((where, alerts.load_receivers(path))
+                                             for where, path in files))
         dispatcher = alerts.Dispatcher(alerts.Outbox(workdir / "alerts", receivers))
         dispatcher.start()
     with contextlib.ExitStack() as stack, store_session(args.store) as session:
