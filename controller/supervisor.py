@@ -232,6 +232,11 @@ class Supervisor:
                                                f"({verdict.summary}): {gave_up}")
                 attempt += 1
                 self._restart(attempt)
+        except KeyboardInterrupt as exc:  # the operator stopped the run: a run of its own ended
+            last = self._state.attempt if self._state is not None else 0
+            self._set_state(JobPhase.FAILED, last, detail=f"interrupted ({exc or 'Ctrl-C'}); "
+                                                          "every rank stopped")
+            raise
         finally:
             try:
                 self.orch.close()

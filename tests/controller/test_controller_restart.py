@@ -12,12 +12,13 @@ killed for real in test_run_controller_kill.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from supervisor_fakes import Clock, S
+from supervisor_fakes import Clock, S, heartbeat
 
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.controller.jobstate import read_history
@@ -28,14 +29,12 @@ from tracehound.tracing.events import (
     Action,
     ActionKind,
     Batch,
-    GroupProgress,
-    Heartbeat,
     Incident,
     JobPhase,
     JobState,
     RankExit,
 )
-from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
+from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.store import TraceStore
 
 JOB = JobId("kill")
@@ -109,15 +108,7 @@ class Orch:
             self.world.running.pop(self.current.attempt, None)
 
 
-def beat(attempt: int, rank: int, at: int, enq: int, comp: int, enq_us: int,
-         node: str) -> Heartbeat:
-    return Heartbeat(
-        job=JOB, attempt=attempt, node=NodeId(node), rank=Rank(rank), time_us=at, pid=1000 + rank,
-        step=enq, step_us=at, start_step=0, first_step_us=at, dropped=0,
-        groups=(GroupProgress(group=GroupId("0"), last_enqueued=enq, last_completed=comp,
-                              pending_op="all_reduce" if enq > comp else "",
-                              last_enqueue_us=enq_us, last_complete_us=enq_us),),
-    )
+beat = functools.partial(heartbeat, JOB)
 
 
 class Ranks:
