@@ -152,6 +152,7 @@ class Outage:
         self.began = 0.0
         self.ended = 0.0
         self.pending_during: list[int] = []
+        self.states_pending: list[list[str]] = []
         self.supervisor: Supervisor | None = None
 
     def begin(self) -> None:
@@ -163,7 +164,11 @@ class Outage:
         if not self.began or self.ended:
             return
         if self.supervisor is not None:
-            self.pending_during.append(len(self.supervisor.outbox.pending()))
+            self.pending_during.append(sum(not isinstance(e.record, JobState)
+                                           for e in self.supervisor.outbox.pending()))
+            self.states_pending.append(sorted({e.record.state.value
+                                               for e in self.supervisor.outbox.pending()
+                                               if isinstance(e.record, JobState)}))
         if time.time() - self.began >= self.length_s:
             self.ended = time.time()
             self.server = start_server(self.server.workdir, tcp_port=self.server.tcp_port)
@@ -201,6 +206,8 @@ def test_a_60_s_outage_while_acting_loses_nothing_and_stores_nothing_twice(
         assert outage.began * S < incident.detected_at_us < outage.ended * S
         assert outage.began < orch.launched_at[1] < outage.ended
         assert max(outage.pending_during) == 4, "the incident and its 3 actions waited"
+        assert max(outage.states_pending, key=len) == [
+            "diagnosing", "isolating", "restarting", "running"], "and the job's states"
 
         again = open_store(outage.server.url)
         try:
