@@ -35,6 +35,7 @@ from tracehound.tracing.settings import (
     TRACEHOUND_AGENT_SOCKET,
     TRACEHOUND_BUFFER_RECORDS,
     TRACEHOUND_DISABLE,
+    TRACEHOUND_EXIT_FILE,
     TRACEHOUND_HEARTBEAT_S,
     TRACEHOUND_INFLIGHT_S,
     env_flag,
@@ -242,6 +243,11 @@ def install(env: dict[str, str] | None = None) -> bool:
     the optimizer module is imported (or at once if one already is)."""
     global _env
     source = dict(os.environ) if env is None else env
+    exit_file = source.get(TRACEHOUND_EXIT_FILE, "")
+    if exit_file:
+        from tracehound.agent import exitstatus
+
+        exitstatus.install(exit_file)
     socket_path = env_str(TRACEHOUND_AGENT_SOCKET, env=source)
     if not socket_path or env_flag(TRACEHOUND_DISABLE, env=source) or _env is not None:
         return False

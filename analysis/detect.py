@@ -37,7 +37,7 @@ from tracehound.analysis.liveness import (
 )
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
-from tracehound.tracing.events import Heartbeat, IncidentKind, RankExit
+from tracehound.tracing.events import EXIT_UNKNOWN, Heartbeat, IncidentKind, RankExit
 from tracehound.tracing.settings import DEFAULT_HEARTBEAT_S
 
 _US = 1_000_000
@@ -222,6 +222,8 @@ def _failed(exit_: RankExit) -> bool:
 
 
 def _describe_exit(exit_: RankExit) -> str:
+    if exit_.exit_code == EXIT_UNKNOWN:
+        return "ended while no controller watched it (how is not known)"
     if exit_.exit_code < 0:
         return f"killed by signal {-exit_.exit_code}"
     return f"exited with code {exit_.exit_code}"
@@ -305,7 +307,7 @@ def detect_crash(snap: JobSnapshot, settings: DetectionSettings,
     margin = _clock_error_us(clocks, *(str(e.node) for e in failures[:len(culprits) + 1]))
     if len(culprits) > 1:
         confidence = WEAK  # exits too close to order: one of them failed first
-    elif gap_us is None or gap_us >= 20_000 + margin or first.exit_code < 0:
+    elif gap_us is None or gap_us >= 20_000 + margin or EXIT_UNKNOWN < first.exit_code < 0:
         confidence = CERTAIN
     else:
         confidence = STRONG  # the next failure followed within 20 ms: its report may lag

@@ -6,7 +6,8 @@ outage of the receiver or a restart of the controller.
 
 - `Alert` is what is announced (`alert_for` makes one of a stored incident); `Receiver` is where
   it goes, read from a YAML or JSON file (`load_receivers`: `{"receivers": [{"name", "kind",
-  "url", ...}]}`).
+  "url", ...}]}`). Receivers are global (the file named by $TRACEHOUND_ALERTS, for every job
+  the controller runs; `jobs: [patterns]` limits one to some jobs) or per job (`run --alerts`).
 - `format_alertmanager`, `format_slack`, `format_pagerduty` and `format_webhook` turn an alert
   into a request body and headers for each kind of receiver (pure functions). A webhook's body is
   signed: `X-Tracehound-Signature: v1=<hex HMAC-SHA256(secret, "<timestamp>." + body)>`, checked
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import fnmatch
 import hashlib
 import hmac
 import http.client
@@ -155,6 +157,12 @@ class Receiver(msgspec.Struct, frozen=True, kw_only=True):
     """The key that signs the body (kind webhook only, required there)."""
     timeout_s: float = 5.0
     """How long to wait for the receiver to connect, and for each read of its answer."""
+    jobs: tuple[str, ...] = ()
+    """The jobs whose alerts it takes: shell-style patterns of job ids (`exp-*`); none: every
+    job. A global receivers file ($TRACEHOUND_ALERTS) routes per job this way."""
+
+    def takes(self, job: str) -> bool:
+        return not self.jobs or any(fnmatch.fnmatchcase(job, p) for p in self.jobs)
 
 
 class Delivery(msgspec.Struct, frozen=True, kw_only=True):
@@ -181,7 +189,8 @@ class DeliveryCounts(msgspec.Struct, frozen=True, kw_only=True):
 
 # -- configuration ----------------------------------------------------------------------------
 
-_RECEIVER_FIELDS = frozenset(("name", "kind", "url", "routing_key", "secret", "timeout_s"))
+_RECEIVER_FIELDS = frozenset(("name", "kind", "url", "routing_key", "secret", "timeout_s",
+                              "jobs"))
 
 
 def load_receivers(path: str | os.PathLike[str]) -> list[Receiver]:
@@ -275,8 +284,29 @@ def _receiver(entry: object, at: str) -> Receiver:
     if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
             or not math.isfinite(timeout) or timeout <= 0):
         raise AlertConfigError(f"{at}.timeout_s: expected a number of seconds > 0, got {timeout!r}")
+    jobs = entry.get("jobs", [])
+    if isinstance(jobs, str):
+        jobs = [jobs]
+    if (not isinstance(jobs, list)
+            or not all(isinstance(j, str) and j.strip() for j in jobs)):
+        raise AlertConfigError(
+            f"{at}.jobs: expected a list of job id patterns (`exp-*`), got {jobs!r}")
     return Receiver(name=name, kind=kind, url=url, routing_key=routing_key, secret=secret,
-                    timeout_s=float(timeout))
+                    timeout_s=float(timeout), jobs=tuple(jobs))
+
+
+def merge_receivers(*found: tuple[str, Sequence[Receiver]]) -> list[Receiver]:
+    """The receivers of several files (`(file, receivers)`, e.g. the global file and a job's
+    own); AlertConfigError naming both files when a name is used twice."""
+    merged: dict[str, tuple[str, Receiver]] = {}
+    for where, receivers in found:
+        for receiver in receivers:
+            if receiver.name in merged:
+                raise AlertConfigError(
+                    f"{where}: receiver {receiver.name!r} is already defined in "
+                    f"{merged[receiver.name][0]}; names must be unique across both files")
+            merged[receiver.name] = (where, receiver)
+    return [r for _, r in merged.values()]
 
 
 # -- payloads ---------------------------------------------------------------------------------
@@ -515,7 +545,9 @@ class Outbox:
         key = delivery_key(alert)
         queued = 0
         with self._lock:
-            for name in self.receivers:
+            for name, receiver in self.receivers.items():
+                if not receiver.takes(alert.job):
+                    continue
                 pending = self._pending.setdefault(name, {})
                 if key in pending or self._done(name, key):
                     continue

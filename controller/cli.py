@@ -3,6 +3,7 @@
     tracehound demo       inject a fault into a real job and watch Tracehound recover it
     tracehound run        launch and supervise a torchrun-style job
     tracehound incidents  list stored incidents and the actions taken
+    tracehound status     a supervised job's state, attempts, isolated nodes, open incidents
     tracehound diagnose   explain a job's state from its stored traces
     tracehound simulate   write a simulated job's traces (with a fault) to a store
     tracehound agent      run a node agent on its own (torchrun, srun, Ray, Kubernetes)
@@ -26,10 +27,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tracehound.controller import importfr, launchers, policyfile, stacks_cli, tracefiles
+from tracehound.controller import (
+    importfr,
+    launchers,
+    policyfile,
+    stacks_cli,
+    status,
+    tracefiles,
+)
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.ids import JobId
+from tracehound.tracing.settings import TRACEHOUND_ALERTS
 
 EPILOG_RUN = """\
 Every rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), so a
@@ -152,9 +161,10 @@ def _parser() -> argparse.ArgumentParser:
                           "watch_s replaces --busy-grace as the time an unsure verdict is "
                           "watched")
     run.add_argument("--alerts", type=Path, metavar="FILE",
-                     help="alert receivers (YAML or JSON: Alertmanager, Slack, PagerDuty, "
-                          "signed webhook); undelivered alerts wait in WORKDIR/JOB/alerts for "
-                          "the next run")
+                     help="this job's alert receivers (YAML or JSON: Alertmanager, Slack, "
+                          "PagerDuty, signed webhook), beside the global ones of "
+                          "$TRACEHOUND_ALERTS; undelivered alerts wait in WORKDIR/JOB/alerts "
+                          "for the next run")
     run.add_argument("--warm-spares", action=argparse.BooleanOptionalAction, default=True,
                      help="keep one process per rank with torch and the script's heavy modules "
                           "already imported, so a restart skips spawning and importing (costs "
@@ -214,6 +224,7 @@ def _parser() -> argparse.ArgumentParser:
     importfr.add_parser(sub, _store_arg)
     launchers.add_parsers(sub, _store_arg)
     policyfile.add_parser(sub)
+    status.add_parser(sub, _store_arg)
     return parser
 
 
@@ -261,10 +272,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = _supervisor_settings(args, timeout_s=args.timeout)
     workdir = args.workdir / args.job_id
     dispatcher = None
+    files = [(f"${TRACEHOUND_ALERTS} ({os.environ[TRACEHOUND_ALERTS]})",
+              Path(os.environ[TRACEHOUND_ALERTS]))] if os.environ.get(TRACEHOUND_ALERTS) else []
     if args.alerts is not None:
+        files.append((str(args.alerts), args.alerts))
+    if files:
         from tracehound.controller import alerts
 
-        receivers = alerts.load_receivers(args.alerts)  # AlertConfigError names the field
+        # AlertConfigError names the file and the field
+        receivers = alerts.merge_receivers(*((where, alerts.load_receivers(path))
+                                             for where, path in files))
         dispatcher = alerts.Dispatcher(alerts.Outbox(workdir / "alerts", receivers))
         dispatcher.start()
     with contextlib.ExitStack() as stack, store_session(args.store) as session:
@@ -297,23 +314,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _incident_json(incident: Any) -> dict[str, Any]:
-    return {
-        "job": incident.job,
-        "incident_id": incident.incident_id,
-        "attempt": incident.attempt,
-        "kind": incident.kind,
-        "culprit_ranks": list(incident.culprit_ranks),
-        "culprit_nodes": list(incident.culprit_nodes),
-        "confidence": incident.confidence,
-        "summary": incident.summary,
-        "detected_at": incident.detected_at_us / 1e6,
-        "actions": [
-            {"kind": a.kind.value, "target": a.target, "ok": a.ok, "detail": a.detail,
-             "at": a.time_us / 1e6}
-            for a in incident.actions
-        ],
-        "verdict": json.loads(incident.verdict_json) if incident.verdict_json else None,
-    }
+    return status.incident_json(incident)
 
 
 def _incident_line(incident: Any) -> str:

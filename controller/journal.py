@@ -19,8 +19,9 @@ supervisor on the same journal (after a crash or a stop of the controller) write
 Exactly once: a write whose outcome is unknown (the connection broke after the server took it)
 may have landed. Before such a record is written again the store is asked whether it holds it:
 an incident by (job, incident_id, detected_at_us), an action by (job, incident_id, kind,
-target, time_us). Every record found in a journal at startup counts as such. Rank exits need no
-check: they are written as a batch with a stable id and `maybe_duplicate=True`.
+target, time_us), a job state by (job, seq, time_us). Every record found in a journal at startup
+counts as such. Rank exits need no check: they are written as a batch with a stable id and
+`maybe_duplicate=True`.
 
 A record the store refuses for good (PermanentStoreError, StoreConfigError) is logged and copied
 to `<journal>.refused` for a human; it is not retried. One supervisor at a time per journal.
@@ -39,7 +40,7 @@ from typing import Any
 
 from tracehound.tracing import kinds, wire
 from tracehound.tracing.errors import StoreError, TemporaryStoreError
-from tracehound.tracing.events import Action, ActionKind, Batch, Incident, RankExit
+from tracehound.tracing.events import Action, ActionKind, Batch, Incident, JobState, RankExit
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.retry import Backoff, BackoffState, call_with_retry
 from tracehound.tracing.store import HeldRecords, TraceStore
@@ -52,10 +53,10 @@ JOURNAL_FILE = "journal.jsonl"
 STORE_RETRY = Backoff(initial_s=0.5, maximum_s=5.0)
 """Waits between tries of pending records while the store is away."""
 
-Journaled = Incident | Action | RankExit
+Journaled = Incident | Action | RankExit | JobState
 """What the supervisor journals."""
 
-_KINDS = ("incident", "action", "exit")
+_KINDS = ("incident", "action", "exit", "state")
 """The record kinds (their wire `type`) the journal takes."""
 
 
@@ -141,13 +142,20 @@ class Journal:
         """Records not yet in the store, oldest first."""
         return sorted(self._pending.values(), key=lambda e: e.number)
 
-    def append(self, record: Journaled) -> Entry:
-        """Journal a record (durably, unless the disk fails: then it is kept in memory)."""
-        entry = Entry(self._next, record)
-        self._next += 1
-        self._pending[entry.number] = entry
-        self._write({"n": entry.number, "put": kind_of(record), "record": to_json(record)})
-        return entry
+    def append(self, *records: Journaled) -> list[Entry]:
+        """Journal records (durably, unless the disk fails: then they are kept in memory), in
+        one write: a process killed meanwhile leaves all of them or none."""
+        entries = []
+        for record in records:
+            entry = Entry(self._next, record)
+            self._next += 1
+            self._pending[entry.number] = entry
+            entries.append(entry)
+        if self.path is not None:
+            _append(self.path, b"".join(
+                _line({"n": e.number, "put": kind_of(e.record), "record": to_json(e.record)})
+                for e in entries))
+        return entries
 
     def done(self, entry: Entry) -> None:
         """The store has the record."""
@@ -246,9 +254,10 @@ class Outbox:
         self._backoff = BackoffState(policy)
         self._next_try = 0.0
 
-    def put(self, record: Journaled) -> None:
-        """Journal a record and try to store it now (and whatever waits before it)."""
-        self.journal.append(record)
+    def put(self, *records: Journaled) -> None:
+        """Journal records (together: all or none survive a kill) and try to store them now
+        (and whatever waits before them)."""
+        self.journal.append(*records)
         self.flush(force=not self._backoff.failures)
 
     def pending(self) -> list[Entry]:
@@ -319,6 +328,8 @@ class Outbox:
             self.store.record_incident(record)
         elif isinstance(record, Action):
             self.store.record_action(record)
+        elif isinstance(record, JobState):
+            self.store.record_state(record)
         else:
             batch = Batch(batch_id=exit_batch_id(record), records=(record,))
             self.store.insert(batch, maybe_duplicate=True)
@@ -338,4 +349,6 @@ def _describe(record: Journaled) -> str:
         return f"incident {record.incident_id}"
     if isinstance(record, Action):
         return f"action {ActionKind(record.kind).value} of {record.incident_id}"
+    if isinstance(record, JobState):
+        return f"state {record.state.value} #{record.seq} of job {record.job}"
     return f"the exit of rank {record.rank} (attempt {record.attempt})"

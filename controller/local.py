@@ -5,7 +5,9 @@ the TRACEHOUND_* variables and the recorder's bootstrap directory on PYTHONPATH.
 output goes to `<workdir>/logs/attempt-<A>/rank-<R>.log`. Exits are timed by one waiter thread
 per process, so the first failure is known to the millisecond.
 
-With `warm_spares`, a few seconds after each launch one warm spare per rank is started
+With `warm_spares`, once the attempt trains (`warm_up`, called by the supervisor when every rank
+made its first step; at the latest `spare_delay_s` after the launch) one warm spare per rank is
+started
 (`agent.warmspare`: torch and the script's heavy modules imported, waiting on stdin), and
 the next launch hands each rank to a spare instead of spawning a fresh interpreter. A command
 that is not `<this python> script.py ...` always spawns fresh ranks. Spares cost memory (one
@@ -13,6 +15,13 @@ interpreter with torch per rank) and, while they import, CPU beside the running 
 
 It must never leave processes behind: `stop()` kills stopped (SIGSTOPped) ranks too, and
 `close()` stops whatever is still running.
+
+Ranks and node agents outlive a controller that is killed (ranks run in sessions of their own).
+Each launch writes the attempt's process ids and start times to
+`<workdir>/attempts/attempt-<A>.json`, so a controller started again can `adopt` a running
+attempt (its ranks watched through /proc: not its children, so how one ended is not known,
+`EXIT_UNKNOWN`) or `kill_leftovers` of an attempt it will not continue. A start time that does
+not match means the pid now belongs to another process: it is left alone.
 """
 
 from __future__ import annotations
@@ -36,9 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tracehound.controller.journal import write_atomic
 from tracehound.controller.orchestrator import AttemptPlan
 from tracehound.tracing import settings as env
-from tracehound.tracing.events import RankExit, now_us
+from tracehound.tracing.events import EXIT_UNKNOWN, RankExit, now_us
 from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.logs import JobLogger
 
@@ -74,17 +84,71 @@ def recorder_env(*, job: str, node: str, socket_path: str,
     }
 
 
+def start_time(pid: int) -> int | None:
+    """When a process started (clock ticks since boot, /proc/PID/stat field 22); None when it
+    is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+class _Adopted:
+    """A process an earlier controller started: watched through /proc (it is not our child, so
+    it cannot be waited for). How it ended comes from the status file a rank leaves
+    (`agent.exitstatus`), where there is one; else it is not known (`EXIT_UNKNOWN`)."""
+
+    stdin = None
+
+    def __init__(self, pid: int, started: int, exit_file: str = "") -> None:
+        self.pid = pid
+        self.started = started
+        self.exit_file = exit_file
+
+    def poll(self) -> int | None:
+        if start_time(self.pid) == self.started:
+            return None
+        if self.exit_file:
+            with contextlib.suppress(OSError, ValueError):
+                return int(Path(f"{self.exit_file}.{self.pid}").read_text().strip() or "x")
+        return EXIT_UNKNOWN
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_Process = subprocess.Popen[bytes] | _Adopted
+
+
 @dataclass
 class _Proc:
     rank: int
     node: NodeId
-    popen: subprocess.Popen[bytes]
-    output: IO[bytes]
+    popen: _Process
+    output: IO[bytes] | None
 
 
-WARM_SPARE_DELAY_S = 3.0
-"""How long after a launch the spares for the next one start: not while the ranks just launched
-import torch and set up their process group on the same cores."""
+WARM_SPARE_DELAY_S = 30.0
+"""How long after a launch the spares for the next one start at the latest. They start as soon
+as the supervisor says the attempt trains (`warm_up`: every rank made its first step), never
+while the ranks just launched import torch and set up their process group on the same cores."""
 
 
 @dataclass
@@ -117,7 +181,11 @@ class LocalOrchestrator:
         # Unix socket paths are limited to ~100 bytes: keep them short, in /tmp.
         self._sockdir = Path(tempfile.mkdtemp(prefix="th-sock-"))
         self._ranks: list[_Proc] = []
-        self._agents: dict[NodeId, subprocess.Popen[bytes]] = {}
+        self._agents: dict[NodeId, _Process] = {}
+        self._old_sockdirs: list[Path] = []
+        self._attempt_sockdir = self._sockdir
+        """Where the current attempt's node agents have their sockets."""
+        """Socket directories of adopted node agents (removed on close)."""
         self._exits: queue.Queue[RankExit] = queue.Queue()
         self._exited = threading.Event()
         self._plan: AttemptPlan | None = None
@@ -134,8 +202,8 @@ class LocalOrchestrator:
         """How the last launch went: `warm` and `cold` (ranks started each way), `seconds`."""
 
     # -- launching -------------------------------------------------------------------------
-    def _start_agent(self, plan: AttemptPlan, node: NodeId) -> Path:
-        sock = self._sockdir / f"{node}.a{plan.attempt}.sock"
+    def _start_agent(self, plan: AttemptPlan, node: NodeId, sockdir: Path | None = None) -> Path:
+        sock = (sockdir or self._sockdir) / f"{node}.a{plan.attempt}.sock"
         spool = self.workdir / "spool" / node
         spool.mkdir(parents=True, exist_ok=True)
         logdir = self.workdir / "logs" / f"attempt-{plan.attempt}"
@@ -154,6 +222,7 @@ class LocalOrchestrator:
 
     def launch(self, plan: AttemptPlan) -> None:
         self._plan = plan
+        self._attempt_sockdir = self._sockdir
         self._stopping = False
         self._ranks = []
         started = time.monotonic()
@@ -162,6 +231,7 @@ class LocalOrchestrator:
         master_port = free_port()
         logdir = self.workdir / "logs" / f"attempt-{plan.attempt}"
         logdir.mkdir(parents=True, exist_ok=True)
+        self._exit_file(plan.attempt, 0).parent.mkdir(parents=True, exist_ok=True)
         world = plan.world_size
         for node_rank, node in enumerate(plan.nodes):
             sock = self._start_agent(plan, node)
@@ -188,6 +258,7 @@ class LocalOrchestrator:
                     "PYTHONUNBUFFERED": "1",
                     env.TRACEHOUND_ATTEMPT: str(plan.attempt),
                     env.TRACEHOUND_CHECKPOINT_DIR: str(self.checkpoint_dir),
+                    env.TRACEHOUND_EXIT_FILE: str(self._exit_file(plan.attempt, rank)),
                     env.TRACEHOUND_HEARTBEAT_S: str(self.heartbeat_s),
                     **recorder_env(job=plan.job, node=node, socket_path=str(sock)),
                 }
@@ -208,6 +279,7 @@ class LocalOrchestrator:
                     target=self._wait, args=(plan, proc), name=f"wait-rank-{rank}", daemon=True
                 ).start()
         self.last_launch = {"warm": warm, "cold": cold, "seconds": time.monotonic() - started}
+        self._write_pids(plan)
         JobLogger(log, job=plan.job).info(
             "attempt %d: started %d ranks on %s (%d from warm spares; logs in %s)",
             plan.attempt, world, ", ".join(plan.nodes), warm, logdir,
@@ -249,6 +321,18 @@ class LocalOrchestrator:
                 spare.log.close()
                 continue
             return _Proc(rank=rank, node=node, popen=spare.popen, output=spare.log)
+
+    def warm_up(self) -> None:
+        """The attempt trains (every rank made its first step): start the next attempt's spares
+        now rather than at the fallback delay."""
+        plan = self._plan
+        if plan is None or not self.warm_spares or self._warm_script(plan) is None:
+            return
+        if self._spare_timer is not None:
+            self._spare_timer.cancel()
+        self._spare_timer = threading.Timer(0.0, self._top_up, args=(plan,))
+        self._spare_timer.daemon = True
+        self._spare_timer.start()
 
     def _schedule_spares(self, plan: AttemptPlan) -> None:
         if not self.warm_spares or self._warm_script(plan) is None:
@@ -302,7 +386,8 @@ class LocalOrchestrator:
     def _wait(self, plan: AttemptPlan, proc: _Proc) -> None:
         code = proc.popen.wait()
         at = now_us()
-        proc.output.close()
+        if proc.output is not None:
+            proc.output.close()
         if self._stopping:
             return  # exits caused by our own stop are not the job's failures
         self._exits.put(
@@ -312,6 +397,141 @@ class LocalOrchestrator:
             )
         )
         self._exited.set()
+
+    # -- what outlives this controller -------------------------------------------------------
+    def pid_file(self, attempt: int) -> Path:
+        return self.workdir / "attempts" / f"attempt-{attempt}.json"
+
+    def _exit_file(self, attempt: int, rank: int) -> Path:
+        """Where a rank leaves its exit status (`agent.exitstatus` adds `.<pid>`)."""
+        return self.workdir / "attempts" / f"attempt-{attempt}" / f"rank-{rank}.exit"
+
+    def _write_pids(self, plan: AttemptPlan) -> None:
+        """Note the attempt's processes for a controller started after this one dies."""
+        def entry(pid: int, **extra: object) -> dict[str, object]:
+            return {"pid": pid, "start": start_time(pid), **extra}
+
+        record = {
+            "job": plan.job, "attempt": plan.attempt, "nodes": list(plan.nodes),
+            "sockdir": str(self._attempt_sockdir),
+            "ranks": [entry(p.popen.pid, rank=p.rank, node=p.node,
+                            exit_file=str(self._exit_file(plan.attempt, p.rank)))
+                      for p in self._ranks],
+            "agents": [entry(a.pid, node=n) for n, a in self._agents.items()],
+        }
+        path = self.pid_file(plan.attempt)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(record, indent=1).encode(),
+                         tmp=path.with_name(path.name + ".tmp"))
+        except OSError as exc:
+            log.warning("could not note the processes of attempt %d in %s (a controller "
+                        "started again will not find them): %s", plan.attempt, path, exc)
+
+    def _read_pids(self, attempt: int) -> dict[str, object] | None:
+        path = self.pid_file(attempt)
+        try:
+            found: dict[str, object] = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable process file %s, ignored: %s", path, exc)
+            return None
+        return found
+
+    @staticmethod
+    def _live(entries: object) -> list[tuple[dict[str, object], _Adopted]]:
+        """The noted processes still running as the same processes."""
+        out = []
+        for e in _entries(entries):
+            pid, started = e.get("pid"), e.get("start")
+            if isinstance(pid, int) and isinstance(started, int) and start_time(pid) == started:
+                out.append((e, _Adopted(pid, started, str(e.get("exit_file", "")))))
+        return out
+
+    def adopt(self, plan: AttemptPlan) -> bool:
+        """Watch the ranks of `plan`'s attempt that an earlier controller launched, as if this
+        one had; False (nothing adopted) when none of them is running any more. Ranks that
+        ended unwatched are reported as exits with `EXIT_UNKNOWN` status."""
+        noted = self._read_pids(plan.attempt)
+        if noted is None:
+            return False
+        ranks = self._live(noted.get("ranks"))
+        if not ranks:
+            self.kill_leftovers(plan.attempt)  # its node agents, if any are left
+            return False
+        self._plan = plan
+        self._stopping = False
+        self._ranks = [_Proc(rank=int(str(e["rank"])), node=NodeId(str(e["node"])), popen=a,
+                             output=None) for e, a in ranks]
+        # The ranks' node agents ship to the dead controller's sink (its ingest endpoint, with
+        # the embedded store): new ones take their sockets and spools (the ranks reconnect).
+        old_agents = [a for _, a in self._live(noted.get("agents"))]
+        for agent in old_agents:
+            agent.send_signal(signal.SIGTERM)  # what they cannot ship stays in their spools
+        deadline = time.monotonic() + 5.0
+        for agent in old_agents:
+            try:
+                agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                agent.kill()
+        self._attempt_sockdir = Path(str(noted.get("sockdir", "")))
+        self._old_sockdirs.append(self._attempt_sockdir)
+        self._agents = {}
+        for node in plan.nodes:
+            self._start_agent(plan, node, self._attempt_sockdir)
+        seen = {p.rank for p in self._ranks}
+        noted_ranks = {int(str(e.get("rank"))): e for e in _entries(noted.get("ranks"))}
+        for rank, where in plan.rank_nodes().items():
+            if rank in seen:
+                continue
+            # ended before this controller looked: how, its status file may say
+            e = noted_ranks.get(rank, {})
+            pid = e.get("pid") if isinstance(e.get("pid"), int) else 0
+            gone = _Adopted(int(str(pid)), -1, str(e.get("exit_file", "")))
+            self._exits.put(RankExit(
+                job=JobId(plan.job), attempt=plan.attempt, node=NodeId(where), rank=Rank(rank),
+                pid=int(str(pid)), exit_code=gone.poll() or 0 if pid else EXIT_UNKNOWN,
+                time_us=now_us()))
+            self._exited.set()
+        for proc in self._ranks:
+            threading.Thread(target=self._wait, args=(plan, proc), name=f"wait-rank-{proc.rank}",
+                             daemon=True).start()
+        self._write_pids(plan)
+        JobLogger(log, job=plan.job).info(
+            "attempt %d: adopted %d running ranks of an earlier controller (their node agents "
+            "restarted on the same sockets and spools)", plan.attempt, len(self._ranks))
+        self._schedule_spares(plan)
+        return True
+
+    def kill_leftovers(self, attempt: int) -> int:
+        """Kill what an earlier controller left running of an attempt this one will not
+        continue (node agents get SIGTERM first: they ship what they hold); how many ranks."""
+        noted = self._read_pids(attempt)
+        if noted is None:
+            return 0
+        ranks = self._live(noted.get("ranks"))
+        for _, proc in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGKILL)
+        agents = self._live(noted.get("agents"))
+        for _, agent in agents:
+            agent.send_signal(signal.SIGTERM)
+        for _, proc in ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        for _, agent in agents:
+            try:
+                agent.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+        shutil.rmtree(str(noted.get("sockdir", "")), ignore_errors=True)
+        if ranks or agents:
+            log.warning("job %s attempt %d: killed %d ranks and %d node agents an earlier "
+                        "controller left running", noted.get("job"), attempt, len(ranks),
+                        len(agents))
+        return len(ranks)
 
     # -- watching --------------------------------------------------------------------------
     def poll_exits(self) -> list[RankExit]:
@@ -383,8 +603,15 @@ class LocalOrchestrator:
         if any(p.popen.poll() is None for p in self._ranks) or self._agents:
             self.stop(grace_s=1.0)
         shutil.rmtree(self._sockdir, ignore_errors=True)
+        for old in self._old_sockdirs:
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def _entries(value: object) -> list[dict[str, object]]:
+    """The process entries of a pid file's list (whatever else it holds is ignored)."""
+    return [e for e in value if isinstance(e, dict)] if isinstance(value, list) else []
+
+
+def _signal_group(popen: _Process, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(popen.pid, sig)

@@ -70,6 +70,15 @@ class Orchestrator(Protocol):
         """Keep a node out of future attempts (cordon it)."""
         ...
 
+    def adopt(self, plan: AttemptPlan) -> bool:
+        """Watch the ranks of `plan`'s attempt that an earlier controller launched and left
+        running; False when none of them runs any more."""
+        ...
+
+    def kill_leftovers(self, attempt: int) -> int:
+        """Stop whatever an earlier controller left running of `attempt`; how many ranks."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -94,6 +103,19 @@ class NodePool:
     @property
     def isolated(self) -> dict[NodeId, str]:
         return dict(self._isolated)
+
+    @property
+    def current(self) -> tuple[NodeId, ...]:
+        """The nodes of the latest assignment, in node-rank order."""
+        return tuple(self._current)
+
+    def restore(self, current: Sequence[str], isolated: Mapping[str, str]) -> None:
+        """Take up where an earlier controller's pool was: its latest nodes and isolations."""
+        unknown = sorted({*current, *isolated} - set(self._nodes))
+        if unknown:
+            raise ValueError(f"nodes {unknown} are not in this pool ({self._nodes})")
+        self._current = [NodeId(n) for n in current]
+        self._isolated = {NodeId(n): reason for n, reason in isolated.items()}
 
     def healthy_spares(self) -> list[NodeId]:
         return [n for n in self._nodes if n not in self._isolated and n not in self._current]

@@ -11,6 +11,12 @@ made durable on local disk first and written to the store exactly once, when the
 A store outage of any length loses none of them and never holds up acting on the job; what is
 still pending when a run ends is written by the next supervisor on the same journal.
 
+The job's state (`controller.jobstate`: running, suspect, stalled, diagnosing, isolating,
+restarting, finished, failed) goes the same way, each written before the supervisor does what it
+announces. A supervisor started on a job whose latest state is not finished or failed picks the
+job up there: it adopts a running attempt, finishes an incident's plan without repeating a step
+already taken, or launches the attempt a restart was about to launch.
+
 Time and sleep are injected, so the loop can be driven step by step in tests.
 """
 
@@ -31,6 +37,21 @@ from tracehound.analysis.observation import load_observation
 from tracehound.analysis.snapshot import JobSnapshot, snapshot_to_json
 from tracehound.analysis.verdict import Fact, Verdict
 from tracehound.controller.alerts import Alert, Status, alert_for
+from tracehound.controller.jobstate import (
+    ACTING,
+    NEXT,
+    TERMINAL,
+    WATCHING,
+    History,
+    controller_id,
+    done_steps,
+    episode_of,
+    last_incident_number,
+    plan_from_json,
+    plan_to_json,
+    read_history,
+    run_start,
+)
 from tracehound.controller.journal import JOURNAL_FILE, STORE_RETRY, Journal, Outbox
 from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes, Orchestrator
 from tracehound.controller.policy import (
@@ -43,7 +64,16 @@ from tracehound.controller.policy import (
 )
 from tracehound.controller.restarts import PendingRestart, RestartTiming, fault_time, measure
 from tracehound.tracing.errors import TemporaryStoreError
-from tracehound.tracing.events import Action, ActionKind, Incident, RankExit, now_us
+from tracehound.tracing.events import (
+    Action,
+    ActionKind,
+    Incident,
+    IncidentKind,
+    JobPhase,
+    JobState,
+    RankExit,
+    now_us,
+)
 from tracehound.tracing.ids import JobId, NodeId
 from tracehound.tracing.logs import JobLogger
 from tracehound.tracing.retry import Backoff
@@ -155,6 +185,11 @@ class Supervisor:
         """When each node was isolated (us): the policy's isolation limits."""
         self._pending_restart: PendingRestart | None = None
         self._ids = itertools.count(1)
+        self._state: JobState | None = None
+        """The latest state written (or found, when picking a job up)."""
+        self._seq = 0
+        self._quiet_since: int | None = None
+        """Since when no verdict was seen while suspect or stalled."""
         if journal_path is None and evidence_dir is not None:
             journal_path = evidence_dir / JOURNAL_FILE
         self.journal = Journal(journal_path)
@@ -163,28 +198,24 @@ class Supervisor:
 
     def run(self) -> RunResult:
         started = self.clock()
-        attempt = 0
         self.outbox.flush(force=True)  # what an earlier supervisor left in the journal
         try:
+            picked = self._pick_up()
+            if isinstance(picked, RunResult):
+                return picked
+            attempt, adopted = picked
             while True:
-                try:
-                    nodes = self.pool.assign(self.spec.nnodes)
-                except NotEnoughNodes as exc:
-                    return self._result(attempt, completed=False, reason=str(exc))
-                plan = AttemptPlan(
-                    job=self.spec.job, attempt=attempt, nodes=nodes,
-                    nproc_per_node=self.spec.nproc_per_node, command=self.spec.command,
-                    env=self.spec.env,
-                )
-                pending = self._pending_restart
-                if pending is not None:
-                    pending.launch_begin_us = self.clock()
-                self.orch.launch(plan)
-                if pending is not None:
-                    pending.launch_end_us = self.clock()
-                    launched = getattr(self.orch, "last_launch", {})
-                    pending.warm = int(launched.get("warm", 0))
-                    pending.cold = int(launched.get("cold", plan.world_size))
+                if adopted:
+                    nodes = self.pool.current
+                else:
+                    try:
+                        nodes = self.pool.assign(self.spec.nnodes)
+                    except NotEnoughNodes as exc:
+                        return self._result(attempt, completed=False, reason=str(exc))
+                plan = self._attempt(attempt, nodes)
+                if not adopted:
+                    self._launch(plan)
+                adopted = False
                 outcome = self._supervise(plan, started)
                 if outcome is None:
                     self.orch.finish()
@@ -200,12 +231,12 @@ class Supervisor:
                                         reason=f"gave up after {verdict.kind.value} "
                                                f"({verdict.summary}): {gave_up}")
                 attempt += 1
-                self._restart_times.append(self.clock())
-                delay = self.settings.policy.restart_delay_s(attempt - 1)
-                if delay > 0:
-                    self.log.info("restart %d: backing off %.1f s first (restart_backoff_s)",
-                                  attempt, delay)
-                    self.sleep(delay)
+                self._restart(attempt)
+        except KeyboardInterrupt as exc:  # the operator stopped the run: a run of its own ended
+            last = self._state.attempt if self._state is not None else 0
+            self._set_state(JobPhase.FAILED, last, detail=f"interrupted ({exc or 'Ctrl-C'}); "
+                                                          "every rank stopped")
+            raise
         finally:
             try:
                 self.orch.close()
@@ -221,9 +252,191 @@ class Supervisor:
                        self.store.url, self.journal.path or "(memory only: lost)")
 
     def _result(self, attempts: int, *, completed: bool, reason: str) -> RunResult:
+        last = max(attempts - 1, 0)
+        if completed:
+            self._set_state(JobPhase.FINISHED, last, detail=reason)
+        else:
+            self._set_state(JobPhase.FAILED, last, detail=reason)
         return RunResult(job=self.spec.job, completed=completed, attempts=attempts,
                          incidents=tuple(self._incidents), reason=reason,
                          restarts=tuple(self._restarts))
+
+    def _attempt(self, attempt: int, nodes: tuple[NodeId, ...]) -> AttemptPlan:
+        return AttemptPlan(
+            job=self.spec.job, attempt=attempt, nodes=nodes,
+            nproc_per_node=self.spec.nproc_per_node, command=self.spec.command,
+            env=self.spec.env,
+        )
+
+    def _restart(self, attempt: int, *, counted: bool = False) -> None:
+        """Announce the launch of `attempt` (a restart), then back off as the policy says
+        (`counted`: its time is among the restarts read back from the store already)."""
+        if not counted:
+            self._restart_times.append(self.clock())
+        self._set_state(JobPhase.RESTARTING, attempt, incident_id=self._acting_on())
+        delay = self.settings.policy.restart_delay_s(attempt - 1)
+        if delay > 0:
+            self.log.info("restart %d: backing off %.1f s first (restart_backoff_s)",
+                          attempt, delay)
+            self.sleep(delay)
+
+    def _acting_on(self) -> str:
+        pending = self._pending_restart
+        return pending.incident_id if pending is not None else ""
+
+    def _launch(self, plan: AttemptPlan) -> None:
+        if plan.attempt == 0:  # written first: a controller started again must not launch twice
+            self._set_state(JobPhase.RUNNING, 0, nodes=plan.nodes)
+        pending = self._pending_restart
+        if pending is not None:
+            pending.launch_begin_us = self.clock()
+        self.orch.launch(plan)
+        if pending is not None:
+            pending.launch_end_us = self.clock()
+            launched = getattr(self.orch, "last_launch", {})
+            pending.warm = int(launched.get("warm", 0))
+            pending.cold = int(launched.get("cold", plan.world_size))
+        self._set_state(JobPhase.RUNNING, plan.attempt, nodes=plan.nodes)
+
+    # -- the job's state -------------------------------------------------------------------------
+    def _state_record(self, phase: JobPhase, attempt: int, *, incident_id: str = "",
+                      plan: tuple[PlannedAction, ...] = (), detail: str = "",
+                      nodes: tuple[NodeId, ...] | None = None) -> JobState | None:
+        """The next state, or None when it is the one the job is in already."""
+        prev = self._state
+        if (prev is not None and prev.state is phase and prev.attempt == attempt
+                and prev.incident_id == incident_id):
+            return None
+        if prev is not None and phase not in NEXT[prev.state]:
+            self.log.error("state %s -> %s is not a transition of the job's state machine "
+                           "(written anyway)", prev.state.value, phase.value)
+        self._seq += 1
+        state = JobState(
+            job=self.spec.job, time_us=self.clock(), seq=self._seq, state=phase, attempt=attempt,
+            incident_id=incident_id, nodes=tuple(self.pool.current if nodes is None else nodes),
+            isolated=tuple(sorted(self.pool.isolated)),
+            plan=plan_to_json(plan) if plan else "", detail=detail, controller=controller_id(),
+        )
+        self._state = state
+        self.log.info("state %s (attempt %d%s)", phase.value, attempt,
+                      f", incident {incident_id}" if incident_id else "")
+        return state
+
+    def _set_state(self, phase: JobPhase, attempt: int, **kwargs: object) -> None:
+        state = self._state_record(phase, attempt, **kwargs)  # type: ignore[arg-type]
+        if state is not None:
+            self.outbox.put(state)
+
+    def _pick_up(self) -> tuple[int, bool] | RunResult:
+        """Where this run starts: (attempt, whether it is already running and was adopted).
+        A fresh start unless an earlier controller of this job left it mid-run."""
+        history = read_history(self.store, self.spec.job, [e.record for e in self.outbox.pending()])
+        latest = history.latest
+        self._ids = itertools.count(last_incident_number(history.incidents) + 1)
+        if latest is None or latest.state in TERMINAL:
+            self._seq = latest.seq if latest is not None else 0
+            self._state = latest
+            return 0, False
+        self._seq, self._state = latest.seq, latest
+        attempt = latest.attempt
+        self.log.warning("picking the job up where controller %s left it: %s, attempt %d%s",
+                         latest.controller or "?", latest.state.value, attempt,
+                         f", incident {latest.incident_id}" if latest.incident_id else "")
+        self._restore(history, latest)
+        if latest.state in WATCHING:
+            if self.orch.adopt(self._attempt(attempt, self.pool.current)):
+                self._remember_watched(history, attempt)
+                return attempt, True
+            self.orch.kill_leftovers(attempt)
+            attempt += 1
+            self._set_state(JobPhase.RESTARTING, attempt, detail=(
+                f"the ranks of attempt {attempt - 1} ended while no controller watched them; "
+                "relaunched from the latest checkpoint"))
+            return attempt, False
+        if latest.state in ACTING:
+            counted = any(ActionKind(a.kind) is ActionKind.RESTART
+                          for a in history.actions_of(latest.incident_id))
+            gave_up = self._finish_plan(history, latest)
+            if gave_up is not None:
+                return self._result(attempt + 1, completed=False, reason=gave_up)
+            attempt += 1
+            self._restart(attempt, counted=counted)
+            return attempt, False
+        # restarting: launched or not? (on the nodes the pool gives it: the same as before)
+        try:
+            nodes = self.pool.assign(self.spec.nnodes)
+        except NotEnoughNodes as exc:
+            return self._result(attempt, completed=False, reason=str(exc))
+        if self.orch.adopt(self._attempt(attempt, nodes)):
+            self._set_state(JobPhase.RUNNING, attempt)
+            return attempt, True
+        self.orch.kill_leftovers(attempt)
+        if attempt > 0:
+            self.orch.kill_leftovers(attempt - 1)
+        return attempt, False
+
+    def _restore(self, history: History, latest: JobState) -> None:
+        """The pool, the limits' counts and the incident being acted on, from the history."""
+        run = history.states[run_start(history.states):]
+        since = run[0].time_us if run else 0
+        # isolated: what the state says, and every isolation of this run (one may have been
+        # taken after the state was written)
+        reasons = {a.target: a.detail for i in history.incidents for a in i.actions
+                   if ActionKind(a.kind) is ActionKind.ISOLATE_NODE and a.ok
+                   and a.time_us >= since}
+        self.pool.restore(latest.nodes or self.pool.current,
+                          {n: reasons.get(n, "isolated by an earlier controller")
+                           for n in {*latest.isolated, *reasons}})
+        self._restart_times = history.times(ActionKind.RESTART, since)
+        self._isolation_times = history.times(ActionKind.ISOLATE_NODE, since)
+        incident = history.incident(latest.incident_id) if latest.incident_id else None
+        if incident is not None and latest.state not in WATCHING:
+            self._incidents.append(incident)
+            if self.notify is not None:
+                self._open.append(incident)  # announced by the earlier controller
+            self._pending_restart = PendingRestart(
+                incident_id=incident.incident_id,
+                attempt=latest.attempt + (latest.state in ACTING),
+                fault_us=incident.detected_at_us, detected_us=incident.detected_at_us)
+
+    def _remember_watched(self, history: History, attempt: int) -> None:
+        """What was being watched in the adopted attempt: recorded once, not again."""
+        for incident in history.incidents:
+            if incident.attempt != attempt:
+                continue
+            key = episode_of(incident)
+            self._recorded.add(key)
+            self._first_seen.setdefault(key, incident.detected_at_us)
+
+    def _finish_plan(self, history: History, latest: JobState) -> str | None:
+        """Carry out what the earlier controller's plan had not done yet; the reason if the
+        plan gives up."""
+        plan = plan_from_json(latest.plan)
+        taken = history.actions_of(latest.incident_id)
+        done = done_steps(plan, taken)
+        self.orch.kill_leftovers(latest.attempt)  # stopped or not: that attempt is over
+        gave_up: str | None = None
+        at = max([self.clock(), *(a.time_us + 1 for a in taken)])  # actions read back in order
+        for step, already in zip(plan, done, strict=True):
+            if step.kind is ActionKind.GIVE_UP:
+                gave_up = step.reason
+            if already:
+                self.log.info("action %s %s was taken by the earlier controller", step.kind.value,
+                              step.target)
+                continue
+            if step.kind is ActionKind.ISOLATE_NODE:
+                self._set_state(JobPhase.ISOLATING, latest.attempt,
+                                incident_id=latest.incident_id, plan=plan)
+            if step.kind is ActionKind.STOP_JOB:
+                ok, detail = True, f"stopped (what was left of it) by a controller started " \
+                                   f"again; {step.reason}"
+            else:
+                ok, detail = self._act(step)
+            at = max(self.clock(), at + 1)
+            self.outbox.put(Action(job=self.spec.job, incident_id=latest.incident_id,
+                                   kind=step.kind, target=step.target, time_us=at, ok=ok,
+                                   detail=detail or step.reason, rule=step.rule))
+        return gave_up
 
     # -- one attempt ---------------------------------------------------------------------------
     def _supervise(
@@ -239,6 +452,7 @@ class Supervisor:
             int(self.settings.timeout_s * 1e6) if self.settings.timeout_s is not None else None
         )
         wait_exit = getattr(self.orch, "wait_exit", None)
+        warmed = False
         while True:
             if wait_exit is not None:  # wake at once when a rank exits
                 wait_exit(self.settings.poll_s)
@@ -272,11 +486,17 @@ class Supervisor:
                 self.log.warning("store unavailable, analysis paused: %s", exc)
                 continue
             self._measure_restart(plan, obs.snapshot)
+            if not warmed and _trains(obs.snapshot):
+                warmed = True
+                warm_up = getattr(self.orch, "warm_up", None)
+                if warm_up is not None:  # spares for the next attempt, now that this one trains
+                    warm_up()
             if not exits_stored:
                 continue
             if self.observer is not None:
                 self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
             verdict = diagnose_observation(obs, self.settings.detection)
+            self._calm(plan.attempt, verdict, now)
             if verdict is None or not self._soft_gate(verdict, now):
                 continue
             self._last_snapshot = obs.snapshot
@@ -287,6 +507,21 @@ class Supervisor:
             if verdict.kind in SOFT_KINDS or key not in self._recorded:
                 self._recorded.add(key)
                 self._recover(verdict, steps)  # observed only; the attempt goes on
+
+    def _calm(self, attempt: int, verdict: Verdict | None, now_us: int) -> None:
+        """Back to `running` once no verdict was seen for a detection window while suspect or
+        stalled."""
+        state = self._state
+        if state is None or state.state not in (JobPhase.SUSPECT, JobPhase.STALLED):
+            return
+        if verdict is not None:
+            self._quiet_since = None
+            return
+        if self._quiet_since is None:
+            self._quiet_since = now_us
+        elif now_us - self._quiet_since >= int(self.settings.window_s * 1e6):
+            self._quiet_since = None
+            self._set_state(JobPhase.RUNNING, attempt, detail="no fault seen for a window")
 
     def _measure_restart(self, plan: AttemptPlan, snapshot: JobSnapshot | None) -> None:
         """Once every rank of a restarted attempt has made its first step: record where the
@@ -410,7 +645,13 @@ class Supervisor:
         )
         self.log.warning("incident %s: %s %s (confidence %.2f)", incident_id, verdict.kind.value,
                          verdict.summary, verdict.confidence)
-        self.outbox.put(incident)
+        if observe_only(plan):
+            phase = JobPhase.STALLED if verdict.kind is IncidentKind.STALL else JobPhase.SUSPECT
+            state = self._state_record(phase, verdict.attempt, incident_id=incident_id)
+        else:  # the plan goes with the incident: a controller started again finishes it
+            state = self._state_record(JobPhase.DIAGNOSING, verdict.attempt,
+                                       incident_id=incident_id, plan=plan)
+        self.outbox.put(incident, *([state] if state is not None else []))
         self._announce(incident, "firing")
         self._keep_evidence(incident_id)
         if any(step.kind is ActionKind.RESTART for step in plan):
@@ -422,6 +663,9 @@ class Supervisor:
         gave_up: str | None = None
         at = detected
         for step in plan:
+            if step.kind is ActionKind.ISOLATE_NODE:
+                self._set_state(JobPhase.ISOLATING, verdict.attempt, incident_id=incident_id,
+                                plan=plan)
             ok, detail = self._act(step)
             at = max(self.clock(), at + 1)  # strictly increasing: actions read back in order
             if step.kind is ActionKind.GIVE_UP:
@@ -464,6 +708,13 @@ class Supervisor:
             self.orch.isolate(node, reason=step.reason)
             return True, f"isolated {node}: {step.reason}"
         return True, step.reason  # restart, observe and give up are carried out by the loop
+
+
+def _trains(snapshot: JobSnapshot) -> bool:
+    """Whether every expected rank of the attempt has finished its first step."""
+    first = {h.rank for h in snapshot.heartbeats
+             if h.attempt == snapshot.attempt and h.first_step_us}
+    return bool(snapshot.expected_ranks) and set(snapshot.expected_ranks) <= first
 
 
 def _episode(verdict: Verdict) -> tuple[object, ...]:

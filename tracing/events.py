@@ -175,7 +175,8 @@ class ProcessGroupInfo(RecordBase, frozen=True, tag="group"):
 
 @record_kind
 class RankExit(RankRecord, frozen=True, tag="exit"):
-    """A rank's process ended. `exit_code` < 0 means it was killed by signal -exit_code."""
+    """A rank's process ended. `exit_code` < 0 means it was killed by signal -exit_code
+    (`EXIT_UNKNOWN`: it ended unwatched, how is not known)."""
 
     TABLE: ClassVar[Stored] = Stored(
         "rank_exits", time="time_us", order_by=BY_RANK_IN_TIME,
@@ -185,6 +186,11 @@ class RankExit(RankRecord, frozen=True, tag="exit"):
     pid: U32
     exit_code: I32
     time_us: U64
+
+
+EXIT_UNKNOWN = -1000
+"""`RankExit.exit_code` of a process that ended while no controller was its parent (it was
+adopted from a controller that died): it is gone, how it ended is not known."""
 
 
 class IncidentKind(enum.StrEnum):
@@ -383,6 +389,59 @@ class Incident(RecordBase, frozen=True, tag="incident"):
     schema_version: U32 = SCHEMA_VERSION
     actions: Annotated[tuple[Action, ...], NOT_STORED] = ()
     """Filled in when read back from a store; ignored when recorded."""
+
+
+class JobPhase(enum.StrEnum):
+    """Where a supervised job is (`JobState.state`); `controller.jobstate` says which state
+    follows which."""
+
+    RUNNING = "running"
+    """An attempt is running and nothing is wrong with it."""
+    SUSPECT = "suspect"
+    """A soft fault was seen and recorded; the controller acts if it is seen again."""
+    STALLED = "stalled"
+    """Ranks wait without progress while some of them are busy outside collectives: alerted,
+    watched through the busy grace."""
+    DIAGNOSING = "diagnosing"
+    """A verdict became an incident and its plan is being carried out (the stop comes first)."""
+    ISOLATING = "isolating"
+    """The plan's nodes are being isolated."""
+    RESTARTING = "restarting"
+    """The next attempt is about to be launched (written before the launch)."""
+    FAILED = "failed"
+    """The run ended without finishing the training (gave up, timed out, out of nodes)."""
+    FINISHED = "finished"
+    """Every rank of the last attempt exited cleanly."""
+
+
+@record_kind
+class JobState(RecordBase, frozen=True, tag="state"):
+    """One step of a job's state machine, as the controller wrote it before acting on it: the
+    latest one is where a controller started again picks the job up."""
+
+    TABLE: ClassVar[Stored] = Stored(
+        "job_states", time="time_us", order_by=("job", "time_us", "seq"), batch=False,
+    )
+
+    job: JobName
+    time_us: U64
+    seq: U32
+    """Counts the job's state records (from 1): orders those written in the same microsecond."""
+    state: JobPhase
+    attempt: U32
+    """The attempt the state is about (for `restarting`: the one about to be launched)."""
+    incident_id: Text = ""
+    """The incident being acted on (diagnosing, isolating, restarting) or watched."""
+    nodes: tuple[Text, ...] = ()
+    """The attempt's nodes in node-rank order."""
+    isolated: tuple[Text, ...] = ()
+    """Every node isolated so far in this run."""
+    plan: Text = ""
+    """While acting: the plan's steps as JSON (kind, target, reason, rule), so a controller
+    started again finishes the same plan."""
+    detail: Text = ""
+    controller: Text = ""
+    """Who wrote it: host and process id of the controller."""
 
 
 Record = (

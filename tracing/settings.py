@@ -125,6 +125,14 @@ DEFAULT_OTEL_SPANS_EVERY = 0
 TRACEHOUND_CHECKPOINT_DIR = "TRACEHOUND_CHECKPOINT_DIR"
 """Directory of the job's checkpoints, shared by all attempts (set by `tracehound run`)."""
 
+TRACEHOUND_ALERTS = "TRACEHOUND_ALERTS"
+"""A global alert receivers file (YAML or JSON), used by every `tracehound run` beside the job's
+own `--alerts` file; a receiver's `jobs` patterns limit it to some jobs."""
+
+TRACEHOUND_EXIT_FILE = "TRACEHOUND_EXIT_FILE"
+"""Where a rank leaves its exit status as it ends (set by `tracehound run`), so that a controller
+started after the one that launched it (not its parent) learns how it ended."""
+
 TRACEHOUND_LOG_LEVEL = "TRACEHOUND_LOG_LEVEL"
 """Log level of Tracehound's own loggers (default DEFAULT_LOG_LEVEL)."""
 

@@ -27,7 +27,7 @@ from typing import IO, Any
 import msgspec
 
 from tracehound.tracing import kinds, wire
-from tracehound.tracing.events import Action, Batch, Incident, now_us
+from tracehound.tracing.events import Action, Batch, Incident, JobState, now_us
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store.port import FOREVER_US, BulkStore, HeldRecords, TraceStore
 
@@ -207,7 +207,7 @@ def _store_incidents_and_actions(store: TraceStore, report: LoadReport, records:
                                  ) -> None:
     held = HeldRecords.read(store, {r.job for r in records})
     for record in records:
-        if not isinstance(record, Incident | Action):  # a kind this loader has no writer for
+        if not isinstance(record, Incident | Action | JobState):  # no writer for this kind
             report.rejected.append((0, f"no way to store {type(record).__name__} records"))
             continue
         if held.has(record):
@@ -215,6 +215,8 @@ def _store_incidents_and_actions(store: TraceStore, report: LoadReport, records:
             continue
         if isinstance(record, Incident):
             store.record_incident(record)
+        elif isinstance(record, JobState):
+            store.record_state(record)
         else:
             store.record_action(record)
         held.add(record)

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from tracehound.controller.orchestrator import AttemptPlan
-from tracehound.tracing.events import RankExit
-from tracehound.tracing.ids import NodeId
+from tracehound.tracing.events import GroupProgress, Heartbeat, RankExit
+from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 
 S = 1_000_000
 
@@ -45,6 +45,12 @@ class ScriptedOrchestrator:
     def isolate(self, node: NodeId, *, reason: str) -> None:
         self.isolated.append(node)
 
+    def adopt(self, plan: AttemptPlan) -> bool:
+        return False
+
+    def kill_leftovers(self, attempt: int) -> int:
+        return 0
+
     def close(self) -> None:
         self.closed = True
 
@@ -60,3 +66,16 @@ class Clock:
 
     def sleep(self, seconds: float) -> None:
         self.now += int(seconds * S)
+
+
+def heartbeat(job: JobId, attempt: int, rank: int, at: int, enq: int, comp: int, enq_us: int,
+              node: str) -> Heartbeat:
+    """A heartbeat of a rank in group 0 at `at`: `enq` collectives entered, `comp` completed
+    (it waits in an all_reduce while enq > comp), the last one entered at `enq_us`."""
+    return Heartbeat(
+        job=job, attempt=attempt, node=NodeId(node), rank=Rank(rank), time_us=at, pid=1000 + rank,
+        step=enq, step_us=at, start_step=0, first_step_us=at, dropped=0,
+        groups=(GroupProgress(group=GroupId("0"), last_enqueued=enq, last_completed=comp,
+                              pending_op="all_reduce" if enq > comp else "",
+                              last_enqueue_us=enq_us, last_complete_us=enq_us),),
+    )

@@ -52,6 +52,7 @@ from tracehound.controller.alerts import (
     format_slack,
     format_webhook,
     load_receivers,
+    merge_receivers,
     retry_after_s,
     verify_signature,
 )
@@ -359,6 +360,42 @@ def test_each_incident_announced_once_and_resolved_once(
     dispatcher.deliver_once(now=2.0)
     assert statuses(server) == [("inc-1", "firing"), ("inc-1", "resolved")]
     assert dispatcher.counts().delivered == 2
+
+
+def test_global_and_per_job_receivers_take_only_their_jobs(
+        tmp_path: Path, endpoint: Callable[..., Endpoint]) -> None:
+    everyone, exp_only, other = endpoint(), endpoint(), endpoint()
+    outbox = Outbox(tmp_path, [webhook("all", everyone.url()),
+                               webhook("exp", exp_only.url(), jobs=("exp*",)),
+                               webhook("other", other.url(), jobs=("prod-*", "nightly"))])
+    dispatcher = Dispatcher(outbox, backoff=FAST)
+    assert dispatcher.enqueue(make_alert(job="exp7")) == 2
+    assert dispatcher.enqueue(make_alert(job="nightly", incident_id="inc-2")) == 2
+    dispatcher.deliver_once(now=0.0)
+    assert statuses(everyone) == [("inc-1", "firing"), ("inc-2", "firing")]
+    assert statuses(exp_only) == [("inc-1", "firing")]
+    assert statuses(other) == [("inc-2", "firing")]
+
+
+def test_receivers_of_the_global_file_and_the_jobs_file_merge_with_unique_names(
+        tmp_path: Path) -> None:
+    (tmp_path / "g").mkdir()
+    (tmp_path / "j").mkdir()
+    glob_file = write_config(tmp_path / "g", {"receivers": [
+        {"name": "oncall", "kind": "slack", "url": "http://s/", "jobs": ["prod-*"]}]})
+    job_file = write_config(tmp_path / "j", {"receivers": [
+        {"name": "mine", "kind": "slack", "url": "http://m/", "jobs": "exp7"}]})
+    merged = merge_receivers(("global", load_receivers(glob_file)),
+                             ("job", load_receivers(job_file)))
+    assert [(r.name, r.jobs) for r in merged] == [("oncall", ("prod-*",)), ("mine", ("exp7",))]
+    with pytest.raises(AlertConfigError, match="job: receiver 'oncall' is already defined in "
+                                               "global"):
+        merge_receivers(("global", load_receivers(glob_file)),
+                        ("job", load_receivers(glob_file)))
+    bad = write_config(tmp_path, {"receivers": [
+        {"name": "x", "kind": "slack", "url": "http://x/", "jobs": [3]}]})
+    with pytest.raises(AlertConfigError, match=r"receivers\[0\]\.jobs: expected a list"):
+        load_receivers(bad)
 
 
 def test_a_resolve_never_announced_as_firing_is_sent(

@@ -59,7 +59,8 @@ def check_stored(store: str, job: str, fault: str, rank: int) -> None:
     assert incident["culprit_nodes"] == [f"node-{rank // 2}"]
     assert incident["confidence"] >= 0.8
     assert incident["detected_at"] > 0
-    assert [a["kind"] for a in incident["actions"]] == ["stop_job", "isolate_node", "restart"]
+    assert [a["kind"] for a in incident["actions"]] == [
+        "stop_job", "isolate_node", "restart", "resumed"]
 
     diag = tracehound("diagnose", "--job", job, "--attempt", "0", "--store", store, "--json")
     assert diag.returncode == 0, diag.stderr

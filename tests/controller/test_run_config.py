@@ -55,3 +55,16 @@ def test_policy_check_and_defaults(tmp_path: Path, capsys: pytest.CaptureFixture
     defaults.write_text(capsys.readouterr().out)
     assert main(["policy", "--check", str(defaults)]) == 0
     assert f"{defaults}: ok" in capsys.readouterr().out
+
+
+def test_a_bad_global_alerts_file_is_refused_naming_the_variable_and_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    global_file = tmp_path / "global.yaml"
+    global_file.write_text("receivers:\n  - {name: oncall, kind: slack, url: 'http://s/', "
+                           "jobs: {exp: 1}}\n")
+    monkeypatch.setenv("TRACEHOUND_ALERTS", str(global_file))
+    assert main(_run(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert f"{global_file}: receivers[0].jobs: expected a list" in err
+    assert not (tmp_path / "w").exists()

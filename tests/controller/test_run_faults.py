@@ -35,7 +35,7 @@ def test_hang_inside_a_rank(tmp_path: Path) -> None:
     assert outcome["completed"] is True, outcome
     assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"]) for i in incidents] == [
         ("stall", [1], ["node-0"]), ("hang", [1], ["node-0"])]
-    assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "restart"]
+    assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "restart", "resumed"]
 
 
 def test_crash_of_a_rank(tmp_path: Path) -> None:
@@ -55,7 +55,7 @@ def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> No
     assert kinds == [("straggler", 3, "node-1"), ("straggler", 3, "node-1")]
     assert [a["kind"] for a in incidents[0]["actions"]] == ["observe"]
     assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "isolate_node",
-                                                            "restart"]
+                                                            "restart", "resumed"]
 
 
 def test_op_mismatch_names_the_odd_rank_and_stops(tmp_path: Path) -> None:

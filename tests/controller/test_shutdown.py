@@ -55,6 +55,9 @@ def test_stopping_the_controller_stops_every_rank(tmp_path: Path, sig: signal.Si
     assert "all ranks were stopped" in err
     with open_store(f"chdb://{store}") as opened:
         pids = {hb.pid for hb in opened.latest_heartbeats(JobId("stop"), 0)}
+        last = opened.job_states(JobId("stop"))[-1]
     assert len(pids) == 2
+    # the run ended by the operator's hand: a new `tracehound run` of the job starts afresh
+    assert last.state == "failed" and last.detail.startswith("interrupted")
     time.sleep(1)
     assert not [p for p in pids if alive(p)]

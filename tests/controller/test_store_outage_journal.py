@@ -37,6 +37,8 @@ from tracehound.tracing.events import (
     Action,
     ActionKind,
     Incident,
+    JobPhase,
+    JobState,
     RankExit,
     now_us,
 )
@@ -98,6 +100,9 @@ class FlakyStore:
     def record_action(self, action: Action) -> None:
         self._write("action", lambda: self.store.record_action(action))
 
+    def record_state(self, state: JobState) -> None:
+        self._write("state", lambda: self.store.record_state(state))
+
     def _write(self, kind: str, write: Any) -> None:
         self.writes.append(kind)
         if self.down:
@@ -126,6 +131,8 @@ def assert_stored_exactly_once(store: TraceStore, result: RunResult) -> None:
     assert [(i.incident_id, [a.kind for a in i.actions]) for i in stored] == [
         (i.incident_id, [a.kind for a in i.actions]) for i in result.incidents
     ]
+    states = store.job_states(JOB)
+    assert [s.seq for s in states] == list(range(1, len(states) + 1)), "each state once"
 
 
 def _key(action: Action) -> tuple[Any, ...]:
@@ -145,6 +152,7 @@ class Outage:
         self.began = 0.0
         self.ended = 0.0
         self.pending_during: list[int] = []
+        self.states_pending: list[list[str]] = []
         self.supervisor: Supervisor | None = None
 
     def begin(self) -> None:
@@ -156,7 +164,11 @@ class Outage:
         if not self.began or self.ended:
             return
         if self.supervisor is not None:
-            self.pending_during.append(len(self.supervisor.outbox.pending()))
+            self.pending_during.append(sum(not isinstance(e.record, JobState)
+                                           for e in self.supervisor.outbox.pending()))
+            self.states_pending.append(sorted({e.record.state.value
+                                               for e in self.supervisor.outbox.pending()
+                                               if isinstance(e.record, JobState)}))
         if time.time() - self.began >= self.length_s:
             self.ended = time.time()
             self.server = start_server(self.server.workdir, tcp_port=self.server.tcp_port)
@@ -194,6 +206,8 @@ def test_a_60_s_outage_while_acting_loses_nothing_and_stores_nothing_twice(
         assert outage.began * S < incident.detected_at_us < outage.ended * S
         assert outage.began < orch.launched_at[1] < outage.ended
         assert max(outage.pending_during) == 4, "the incident and its 3 actions waited"
+        assert max(outage.states_pending, key=len) == [
+            "diagnosing", "isolating", "restarting", "running"], "and the job's states"
 
         again = open_store(outage.server.url)
         try:
@@ -228,9 +242,11 @@ def test_a_new_supervisor_on_the_same_journal_stores_what_the_last_one_left(
     assert [a.kind for a in incident.actions] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
     assert store.incidents(JOB) == [], "the store was away for the whole run"
     left = Journal(journal).pending()
-    assert [to_json(e.record) for e in left] == [
+    assert [to_json(e.record) for e in left if not isinstance(e.record, JobState)] == [
         to_json(r) for r in (incident, *incident.actions)
     ]
+    assert [e.record.state for e in left if isinstance(e.record, JobState)] == [
+        JobPhase.RUNNING, JobPhase.DIAGNOSING, JobPhase.FAILED]
     assert all(e.maybe_stored for e in left), "a journal read back is checked before writing"
 
     # A write of the first supervisor landed after all (its answer was lost).
@@ -276,7 +292,7 @@ def test_the_journal_keeps_pending_records_across_a_reopen_and_skips_a_torn_line
         RankExit(job=JOB, attempt=0, node=NodeId("node-1"), rank=Rank(1), pid=7, exit_code=-9,
                  time_us=4 * S),
     ]
-    entries = [journal.append(r) for r in records]
+    entries = [journal.append(r)[0] for r in records]
     journal.done(entries[1])
     with open(path, "ab") as handle:
         handle.write(b'{"n": 9, "put": "incid')  # a crash in the middle of an append

@@ -5,10 +5,11 @@ the hang threshold is crossed exactly when the test says.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
-from supervisor_fakes import Clock, S, ScriptedOrchestrator
+from supervisor_fakes import Clock, S, ScriptedOrchestrator, heartbeat
 
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.snapshot import snapshot_from_json
@@ -19,26 +20,15 @@ from tracehound.controller.supervisor import JobSpec, PollView, Supervisor, Supe
 from tracehound.tracing.events import (
     ActionKind,
     Batch,
-    GroupProgress,
-    Heartbeat,
     RankExit,
 )
-from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
+from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.store import TraceStore
 
 JOB = JobId("sup")
 
 
-def beat(
-    attempt: int, rank: int, at: int, enq: int, comp: int, enq_us: int, node: str
-) -> Heartbeat:
-    return Heartbeat(
-        job=JOB, attempt=attempt, node=NodeId(node), rank=Rank(rank), time_us=at, pid=1000 + rank,
-        step=enq, step_us=at, start_step=0, first_step_us=at, dropped=0,
-        groups=(GroupProgress(group=GroupId("0"), last_enqueued=enq, last_completed=comp,
-                              pending_op="all_reduce" if enq > comp else "",
-                              last_enqueue_us=enq_us, last_complete_us=enq_us),),
-    )
+beat = functools.partial(heartbeat, JOB)
 
 
 def test_hang_is_recorded_isolated_and_restarted_on_the_spare(

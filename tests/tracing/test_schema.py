@@ -65,9 +65,14 @@ def test_the_derived_tables_keep_the_columns_stored_data_already_has() -> None:
         "kind String", "culprit_ranks Array(Int64)", "culprit_nodes Array(String)",
         "confidence Float64", "summary String", "verdict_json String", "schema_version UInt32",
     ]
+    assert [f"{c.name} {c.type}" for c in by_name["job_states"].columns] == [
+        "job String", "time_us UInt64", "seq UInt32", "state String", "attempt UInt32",
+        "incident_id String", "nodes Array(String)", "isolated Array(String)", "plan String",
+        "detail String", "controller String",
+    ]
     assert set(by_name) == {
         "collectives", "heartbeats", "process_groups", "rank_exits", "health", "stacks",
-        "processes", "incidents", "actions", "clock_readings",
+        "processes", "incidents", "actions", "clock_readings", "job_states",
     }
 
 

@@ -30,6 +30,7 @@ from tracehound.tracing.events import (
     HealthSample,
     Heartbeat,
     Incident,
+    JobState,
     ProcessGroupInfo,
     ProcessSample,
     RankExit,
@@ -407,6 +408,13 @@ class SqlTraceStore(abc.ABC):
 
     def record_action(self, action: Action) -> None:
         self._insert(table_of(Action), kinds.layout(Action).column_batch([action]))
+
+    def record_state(self, state: JobState) -> None:
+        self._insert(table_of(JobState), kinds.layout(JobState).column_batch([state]))
+
+    def job_states(self, job: JobId) -> list[JobState]:
+        found: list[JobState] = self._read(JobState, q.SQL_RECORDS_OF_JOB, {"job": job})
+        return sorted(found, key=lambda s: (s.seq, s.time_us))
 
     def incidents(self, job: JobId | None = None) -> list[Incident]:
         found: list[Incident]

@@ -17,7 +17,7 @@ Two adapters implement both, chosen by URL (`store.factory.open_store`):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tracehound.tracing.events import (
@@ -29,6 +29,7 @@ from tracehound.tracing.events import (
     HealthSample,
     Heartbeat,
     Incident,
+    JobState,
     ProcessGroupInfo,
     ProcessSample,
     RankExit,
@@ -174,6 +175,14 @@ class TraceStore(Protocol):
     def record_action(self, action: Action) -> None:
         ...
 
+    def record_state(self, state: JobState) -> None:
+        """Store one step of a job's state machine."""
+        ...
+
+    def job_states(self, job: JobId) -> list[JobState]:
+        """Every stored state of a job, in the order written (by `seq`)."""
+        ...
+
     def incidents(self, job: JobId | None = None) -> list[Incident]:
         """Incidents, oldest first, each with its actions."""
         ...
@@ -229,6 +238,8 @@ class HeldRecords:
 
     incidents: set[tuple[str, str, int]]
     actions: set[tuple[str, str, str, str, int]]
+    states: set[tuple[str, int, int]] = field(default_factory=set)
+    """Job states by (job, seq, time)."""
 
     @classmethod
     def read(cls, store: TraceStore, jobs: Iterable[str]) -> HeldRecords:
@@ -239,16 +250,22 @@ class HeldRecords:
                 held.add(incident)
                 for action in incident.actions:
                     held.add(action)
+            for state in store.job_states(JobId(job)):
+                held.add(state)
         return held
 
-    def has(self, record: Incident | Action) -> bool:
+    def has(self, record: Incident | Action | JobState) -> bool:
         if isinstance(record, Incident):
             return _incident_key(record) in self.incidents
+        if isinstance(record, JobState):
+            return (record.job, record.seq, record.time_us) in self.states
         return _action_key(record) in self.actions
 
-    def add(self, record: Incident | Action) -> None:
+    def add(self, record: Incident | Action | JobState) -> None:
         if isinstance(record, Incident):
             self.incidents.add(_incident_key(record))
+        elif isinstance(record, JobState):
+            self.states.add((record.job, record.seq, record.time_us))
         else:
             self.actions.add(_action_key(record))
 
