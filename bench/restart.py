@@ -6,7 +6,9 @@ warm spares on by default) and once under `torchrun --standalone --nproc-per-nod
 --max-restarts 1` (its defaults otherwise: workers watched every 0.1 s; and
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which its restarted gloo ranks never connect), and
 injects the same fault from outside at the same point: once the first checkpoint is complete
-and a second more has passed, rank 1's process gets
+and `--fault-after-s` more have passed (10 s: a job in training, its warm spares ready; a fault
+in the first seconds of a job, `--fault-after-s 1`, finds them still importing), rank 1's
+process gets
 
 - crash: SIGKILL. Both launchers see the exit and restart every rank from the checkpoint.
 - hang: SIGSTOP. Tracehound sees the frozen rank within seconds and restarts without it;
@@ -72,15 +74,16 @@ def rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-def inject(fault: str, *, marker: str, checkpoints: Path, deadline_s: float) -> float:
-    """Wait for the first complete checkpoint and one more second, then signal rank 1; the
-    time of the signal (time.time())."""
+def inject(fault: str, *, marker: str, checkpoints: Path, deadline_s: float,
+           after_s: float) -> float:
+    """Wait for the first complete checkpoint and `after_s` more seconds, then signal rank 1;
+    the time of the signal (time.time())."""
     end = time.monotonic() + deadline_s
     while not any(checkpoints.glob("step-*/COMPLETE")):
         if time.monotonic() > end:
             raise RuntimeError(f"no checkpoint appeared in {checkpoints} in {deadline_s:.0f} s")
         time.sleep(0.05)
-    time.sleep(1.0)
+    time.sleep(after_s)
     pid = rank_pid(marker, 1)
     if pid is None:
         raise RuntimeError("rank 1's process was not found")
@@ -110,7 +113,7 @@ def run_tracehound(args: argparse.Namespace, fault: str, workdir: Path) -> dict[
                             text=True)
     try:
         fault_at = inject(fault, marker=marker, checkpoints=workdir / job / "checkpoints",
-                          deadline_s=120)
+                          deadline_s=120, after_s=args.fault_after_s)
         out, err = proc.communicate(timeout=args.limit_s + 60)
     finally:
         if proc.poll() is None:
@@ -143,7 +146,8 @@ def run_torchrun(args: argparse.Namespace, fault: str, workdir: Path) -> dict[st
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        fault_at = inject(fault, marker=marker, checkpoints=checkpoints, deadline_s=120)
+        fault_at = inject(fault, marker=marker, checkpoints=checkpoints, deadline_s=120,
+                          after_s=args.fault_after_s)
         try:
             out, _ = proc.communicate(timeout=args.limit_s)
         except subprocess.TimeoutExpired:
@@ -165,7 +169,11 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
     parser.add_argument("--cases", default="crash,hang", help="crash, hang or both (default)")
-    parser.add_argument("--steps", type=int, default=250, help="training steps (default 250)")
+    parser.add_argument("--steps", type=int, default=1000,
+                        help="training steps (default 1000)")
+    parser.add_argument("--fault-after-s", type=float, default=10.0,
+                        help="seconds from the first complete checkpoint to the fault "
+                             "(default 10)")
     parser.add_argument("--step-sleep-ms", type=float, default=20.0,
                         help="extra time per step, so the job is still training at the fault "
                              "(default 20)")
@@ -182,7 +190,8 @@ def main() -> int:
         if case not in ("crash", "hang"):
             parser.error(f"--cases: unknown case {case!r}; expected crash and/or hang")
     report: dict[str, Any] = {"ranks": 4, "warm_spares": args.warm_spares,
-                              "pg_timeout_s": args.pg_timeout_s}
+                              "pg_timeout_s": args.pg_timeout_s,
+                              "fault_after_s": args.fault_after_s}
     for case in cases:
         with tempfile.TemporaryDirectory(prefix=f"th-restart-{case}-") as tmp:
             if not args.json:

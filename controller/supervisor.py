@@ -453,15 +453,24 @@ class Supervisor:
         )
         wait_exit = getattr(self.orch, "wait_exit", None)
         warmed = False
+        settled_at_us: int | None = None
+        """When the first failed exit has settled (the crash detector waits that long)."""
         while True:
+            exited = False
             if wait_exit is not None:  # wake at once when a rank exits
-                wait_exit(self.settings.poll_s)
+                wait_s = self.settings.poll_s
+                if settled_at_us is not None:  # and when its exits have settled
+                    wait_s = min(wait_s, max(0.0, (settled_at_us - self.clock()) / 1e6) + 0.005)
+                exited = bool(wait_exit(wait_s))
             else:
                 self.sleep(self.settings.poll_s)
             for exit_ in self.orch.poll_exits():
                 self._record_exit(exit_)
                 if exit_.exit_code == 0:
                     clean.add(exit_.rank)
+                elif settled_at_us is None:
+                    settled_at_us = exit_.time_us + int(
+                        self.settings.detection.crash_settle_s * 1e6)
             if len(clean) == plan.world_size:
                 self._measure_restart(plan, None)
                 self._resolve_open()
@@ -469,7 +478,9 @@ class Supervisor:
             now = self.clock()
             if timeout_us is not None and now - started_us > timeout_us:
                 return f"timed out after {self.settings.timeout_s:.0f} s"
-            refresh = now - last_summaries_us >= int(self.settings.summaries_every_s * 1e6)
+            # a poll woken by an exit reads no window summaries: a crash needs none of them
+            refresh = (not exited and now - last_summaries_us
+                       >= int(self.settings.summaries_every_s * 1e6))
             # the exits go to the store before the snapshot is read: read first, a crash would
             # wait a poll to be seen
             exits_stored = self._exits_stored()
