@@ -4,6 +4,7 @@
     tracehound run        launch and supervise a torchrun-style job
     tracehound incidents  list stored incidents and the actions taken
     tracehound status     a supervised job's state, attempts, isolated nodes, open incidents
+    tracehound retention  drop stored records older than N days
     tracehound diagnose   explain a job's state from its stored traces
     tracehound simulate   write a simulated job's traces (with a fault) to a store
     tracehound agent      run a node agent on its own (torchrun, srun, Ray, Kubernetes)
@@ -31,6 +32,7 @@ from tracehound.controller import (
     importfr,
     launchers,
     policyfile,
+    retention,
     stacks_cli,
     status,
     tracefiles,
@@ -225,6 +227,7 @@ def _parser() -> argparse.ArgumentParser:
     launchers.add_parsers(sub, _store_arg)
     policyfile.add_parser(sub)
     status.add_parser(sub, _store_arg)
+    retention.add_parser(sub, _store_arg)
     return parser
 
 

@@ -135,6 +135,22 @@ class SqlTraceStore(abc.ABC):
                 if column.name not in have:
                     self._query(add_column_statement(self.database, table, column), {})
 
+    def drop_days_before(self, day: int, *, dry_run: bool = False) -> dict[str, list[int]]:
+        """Drop every table's daily partitions (`YYYYMMDD`, UTC) older than `day`; what was
+        (or, with `dry_run`, would be) dropped, by table."""
+        if not 19700101 <= day <= 99991231:
+            raise ValueError(f"day: expected a date as YYYYMMDD, got {day}")
+        dropped: dict[str, list[int]] = {}
+        for table in tables():
+            rows = self._query(q.SQL_PARTITIONS, {"database": self.database, "table": table.name})
+            old = sorted(int(p) for (p,) in rows if str(p).isdigit() and int(p) < day)
+            for partition in old if not dry_run else ():
+                self._query(f"ALTER TABLE {self.database}.{check_identifier(table.name)} "
+                            f"DROP PARTITION {partition:d}", {})
+            if old:
+                dropped[table.name] = old
+        return dropped
+
     def insert(self, batch: Batch, *, maybe_duplicate: bool = False) -> InsertReport:
         inserted = skipped = 0
         with self._insert_lock:

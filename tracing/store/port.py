@@ -175,6 +175,11 @@ class TraceStore(Protocol):
     def record_action(self, action: Action) -> None:
         ...
 
+    def drop_days_before(self, day: int, *, dry_run: bool = False) -> dict[str, list[int]]:
+        """Retention: drop the daily partitions (`YYYYMMDD`, UTC) of every table older than
+        `day`; the days dropped (or that would be, with `dry_run`) by table."""
+        ...
+
     def record_state(self, state: JobState) -> None:
         """Store one step of a job's state machine."""
         ...

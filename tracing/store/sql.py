@@ -343,6 +343,11 @@ SQL_TABLE_COLUMNS = """
 SELECT name FROM system.columns WHERE database = {database:String} AND table = {table:String}
 """
 
+SQL_PARTITIONS = """
+SELECT DISTINCT partition FROM system.parts
+WHERE database = {database:String} AND table = {table:String} AND active
+"""
+
 SQL_BATCH_COUNT = "SELECT count() FROM {db}.{table} WHERE batch_id = {batch_id:String}"
 SQL_BATCH_KEYS = "SELECT {key} FROM {db}.{table} WHERE batch_id = {batch_id:String}"
 
