@@ -507,14 +507,14 @@ class LocalOrchestrator:
     def kill_leftovers(self, attempt: int) -> int:
         """Kill what an earlier controller left running of an attempt this one will not
         continue (node agents get SIGTERM first: they ship what they hold); how many ranks."""
-        noted = self._read_pids(attempt)
-        if noted is None:
-            return 0
+        noted = self._read_pids(attempt) or {}
         ranks = self._live(noted.get("ranks"))
+        # and ranks spawned before the pid file was written (a launch cut short): found by the
+        # exit-file path in their environment, which names this workdir and the attempt
+        known = {proc.pid for _, proc in ranks}
+        ranks += [({}, proc) for proc in self._spawned_ranks(attempt) if proc.pid not in known]
         for _, proc in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group_of(proc.pid)
         agents = self._live(noted.get("agents"))
         for _, agent in agents:
             agent.send_signal(signal.SIGTERM)
@@ -528,10 +528,28 @@ class LocalOrchestrator:
                 agent.kill()
         shutil.rmtree(str(noted.get("sockdir", "")), ignore_errors=True)
         if ranks or agents:
-            log.warning("job %s attempt %d: killed %d ranks and %d node agents an earlier "
-                        "controller left running", noted.get("job"), attempt, len(ranks),
+            log.warning("%s attempt %d: killed %d ranks and %d node agents an earlier "
+                        "controller left running", self.workdir, attempt, len(ranks),
                         len(agents))
         return len(ranks)
+
+    def _spawned_ranks(self, attempt: int) -> list[_Adopted]:
+        """Running processes started as ranks of `attempt` by a controller of this workdir
+        (their TRACEHOUND_EXIT_FILE lies in the attempt's directory here)."""
+        wanted = f"{env.TRACEHOUND_EXIT_FILE}={self._exit_file(attempt, 0).parent}{os.sep}"
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                variables = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(v.decode(errors="replace").startswith(wanted) for v in variables):
+                started = start_time(int(entry.name))
+                if started is not None:
+                    found.append(_Adopted(int(entry.name), started))
+        return found
 
     # -- watching --------------------------------------------------------------------------
     def poll_exits(self) -> list[RankExit]:
@@ -610,6 +628,19 @@ class LocalOrchestrator:
 def _entries(value: object) -> list[dict[str, object]]:
     """The process entries of a pid file's list (whatever else it holds is ignored)."""
     return [e for e in value if isinstance(e, dict)] if isinstance(value, list) else []
+
+
+def _kill_group_of(pid: int) -> None:
+    """SIGKILL the process group of `pid` (a rank leads its own), stopped members too; only the
+    process itself if it shares this controller's group."""
+    with contextlib.suppress(ProcessLookupError):
+        group = os.getpgid(pid)
+        if group == os.getpgid(0):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        else:
+            os.killpg(group, signal.SIGCONT)
+            os.killpg(group, signal.SIGKILL)
 
 
 def _signal_group(popen: _Process, sig: signal.Signals) -> None:
