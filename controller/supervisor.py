@@ -318,14 +318,18 @@ class Supervisor:
             plan=plan_to_json(plan) if plan else "", detail=detail, controller=controller_id(),
         )
         self._state = state
-        self.log.info("state %s (attempt %d%s)", phase.value, attempt,
-                      f", incident {incident_id}" if incident_id else "")
         return state
 
     def _set_state(self, phase: JobPhase, attempt: int, **kwargs: object) -> None:
         state = self._state_record(phase, attempt, **kwargs)  # type: ignore[arg-type]
         if state is not None:
             self.outbox.put(state)
+            self._log_state(state)
+
+    def _log_state(self, state: JobState) -> None:
+        """Said once the state is journaled (and stored, if the store answered)."""
+        self.log.info("state %s (attempt %d%s)", state.state.value, state.attempt,
+                      f", incident {state.incident_id}" if state.incident_id else "")
 
     def _pick_up(self) -> tuple[int, bool] | RunResult:
         """Where this run starts: (attempt, whether it is already running and was adopted).
@@ -663,6 +667,8 @@ class Supervisor:
             state = self._state_record(JobPhase.DIAGNOSING, verdict.attempt,
                                        incident_id=incident_id, plan=plan)
         self.outbox.put(incident, *([state] if state is not None else []))
+        if state is not None:
+            self._log_state(state)
         self._announce(incident, "firing")
         self._keep_evidence(incident_id)
         if any(step.kind is ActionKind.RESTART for step in plan):
