@@ -36,7 +36,7 @@ from tracehound.controller.policy import PlannedAction
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.events import Action, ActionKind, Incident, JobPhase, JobState
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.store import TraceStore
+from tracehound.tracing.store import HeldRecords, TraceStore
 
 TERMINAL = frozenset({JobPhase.FINISHED, JobPhase.FAILED})
 WATCHING = frozenset({JobPhase.RUNNING, JobPhase.SUSPECT, JobPhase.STALLED})
@@ -106,6 +106,19 @@ class History:
     def latest(self) -> JobState | None:
         return self.states[-1] if self.states else None
 
+    @property
+    def run(self) -> list[JobState]:
+        """The states of the job's latest run: those after the last terminal state before the
+        latest one."""
+        starts = [i + 1 for i, s in enumerate(self.states[:-1]) if s.state in TERMINAL]
+        return self.states[starts[-1] if starts else 0:]
+
+    @property
+    def run_since_us(self) -> int:
+        """When the latest run started (0 without any state)."""
+        run = self.run
+        return run[0].time_us if run else 0
+
     def actions_of(self, incident_id: str) -> list[Action]:
         return [a for i in self.incidents if i.incident_id == incident_id for a in i.actions]
 
@@ -127,32 +140,29 @@ def read_history(store: TraceStore, job: JobId, pending: Iterable[object]) -> Hi
         history.incidents = list(store.incidents(job))
     except StoreError:
         pass
-    known = {(s.seq, s.time_us) for s in history.states}
+    held = HeldRecords(set(), set())  # what is stored, by the identities the outbox checks
+    stored: list[Incident | Action | JobState] = [*history.states, *history.incidents]
+    stored += [a for i in history.incidents for a in i.actions]
+    for known in stored:
+        held.add(known)
     by_id = {i.incident_id: i for i in history.incidents}
     extra_actions: list[Action] = []
     for record in pending:
-        if isinstance(record, JobState) and record.job == job:
-            if (record.seq, record.time_us) not in known:
-                history.states.append(record)
-        elif isinstance(record, Incident) and record.job == job:
+        if getattr(record, "job", None) != job:
+            continue
+        if isinstance(record, JobState) and not held.has(record):
+            history.states.append(record)
+        elif isinstance(record, Incident):
             by_id.setdefault(record.incident_id, record)
-        elif isinstance(record, Action) and record.job == job:
+        elif isinstance(record, Action) and not held.has(record):
             extra_actions.append(record)
     incidents = []
     for incident in by_id.values():
-        have = {(a.kind, a.target, a.time_us) for a in incident.actions}
-        more = tuple(a for a in extra_actions if a.incident_id == incident.incident_id
-                     and (a.kind, a.target, a.time_us) not in have)
+        more = tuple(a for a in extra_actions if a.incident_id == incident.incident_id)
         incidents.append(msgspec.structs.replace(incident, actions=incident.actions + more))
     history.incidents = sorted(incidents, key=lambda i: i.detected_at_us)
     history.states.sort(key=lambda s: (s.seq, s.time_us))
     return history
-
-
-def run_start(states: list[JobState]) -> int:
-    """Where the latest run of the job starts in `states`: after the last terminal state."""
-    starts = [i + 1 for i, s in enumerate(states[:-1]) if s.state in TERMINAL]
-    return starts[-1] if starts else 0
 
 
 def episode_of(incident: Incident) -> tuple[object, ...]:

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from tracehound.controller.jobstate import TERMINAL, History, read_history, run_start
+from tracehound.controller.jobstate import TERMINAL, History, read_history
 from tracehound.tracing.events import ActionKind, Incident, JobPhase, JobState
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore
@@ -56,8 +56,7 @@ def open_incidents(history: History) -> list[Incident]:
     latest = history.latest
     if latest is None or latest.state is JobPhase.FINISHED:
         return []
-    run = history.states[run_start(history.states):]
-    since = run[0].time_us if run else 0
+    since = history.run_since_us
     out = []
     for incident in history.incidents:
         kinds = {ActionKind(a.kind) for a in incident.actions}
@@ -74,7 +73,7 @@ def job_status(store: TraceStore, job: JobId) -> dict[str, Any] | None:
     latest = history.latest
     if latest is None:
         return None
-    run = history.states[run_start(history.states):]
+    run = history.run
     return {
         "job": job,
         "state": latest.state.value,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +34,7 @@ import msgspec
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import load_observation
-from tracehound.analysis.snapshot import JobSnapshot, snapshot_to_json
+from tracehound.analysis.snapshot import JobSnapshot, load_snapshot, snapshot_to_json
 from tracehound.analysis.verdict import Fact, Verdict
 from tracehound.controller.alerts import Alert, Status, alert_for
 from tracehound.controller.jobstate import (
@@ -50,7 +50,6 @@ from tracehound.controller.jobstate import (
     plan_from_json,
     plan_to_json,
     read_history,
-    run_start,
 )
 from tracehound.controller.journal import JOURNAL_FILE, STORE_RETRY, Journal, Outbox
 from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes, Orchestrator
@@ -381,8 +380,7 @@ class Supervisor:
 
     def _restore(self, history: History, latest: JobState) -> None:
         """The pool, the limits' counts and the incident being acted on, from the history."""
-        run = history.states[run_start(history.states):]
-        since = run[0].time_us if run else 0
+        since = history.run_since_us
         # isolated: what the state says, and every isolation of this run (one may have been
         # taken after the state was written)
         reasons = {a.target: a.detail for i in history.incidents for a in i.actions
@@ -417,30 +415,11 @@ class Supervisor:
         plan gives up."""
         plan = plan_from_json(latest.plan)
         taken = history.actions_of(latest.incident_id)
-        done = done_steps(plan, taken)
         self.orch.kill_leftovers(latest.attempt)  # stopped or not: that attempt is over
-        gave_up: str | None = None
-        at = max([self.clock(), *(a.time_us + 1 for a in taken)])  # actions read back in order
-        for step, already in zip(plan, done, strict=True):
-            if step.kind is ActionKind.GIVE_UP:
-                gave_up = step.reason
-            if already:
-                self.log.info("action %s %s was taken by the earlier controller", step.kind.value,
-                              step.target)
-                continue
-            if step.kind is ActionKind.ISOLATE_NODE:
-                self._set_state(JobPhase.ISOLATING, latest.attempt,
-                                incident_id=latest.incident_id, plan=plan)
-            if step.kind is ActionKind.STOP_JOB:
-                ok, detail = True, f"stopped (what was left of it) by a controller started " \
-                                   f"again; {step.reason}"
-            else:
-                ok, detail = self._act(step)
-            at = max(self.clock(), at + 1)
-            self.outbox.put(Action(job=self.spec.job, incident_id=latest.incident_id,
-                                   kind=step.kind, target=step.target, time_us=at, ok=ok,
-                                   detail=detail or step.reason, rule=step.rule))
-        return gave_up
+        self._carry_out(latest.incident_id, latest.attempt, plan,
+                        after_us=max((a.time_us for a in taken), default=0),
+                        done=done_steps(plan, taken), picked_up=True)
+        return _gave_up(plan)
 
     # -- one attempt ---------------------------------------------------------------------------
     def _supervise(
@@ -546,11 +525,8 @@ class Supervisor:
             return
         if snapshot is None:  # the attempt finished before a poll saw its first steps
             try:
-                snapshot = load_observation(
-                    self.store, job=plan.job, attempt=plan.attempt, now_us=self.clock(),
-                    window_s=self.settings.window_s, expected_ranks=plan.rank_nodes(),
-                    summaries=False,
-                ).snapshot
+                snapshot = load_snapshot(self.store, job=plan.job, attempt=plan.attempt,
+                                         now_us=self.clock(), expected_ranks=plan.rank_nodes())
             except TemporaryStoreError:
                 return
         timing = measure(pending, snapshot)
@@ -676,24 +652,37 @@ class Supervisor:
                 incident_id=incident_id, attempt=verdict.attempt + 1,
                 fault_us=fault_time(verdict, self._last_snapshot), detected_us=detected,
             )
+        actions = self._carry_out(incident_id, verdict.attempt, plan, after_us=detected)
+        self._incidents.append(msgspec.structs.replace(incident, actions=tuple(actions)))
+        return _gave_up(plan)
+
+    def _carry_out(self, incident_id: str, attempt: int, plan: tuple[PlannedAction, ...], *,
+                   after_us: int, done: Sequence[bool] = (),
+                   picked_up: bool = False) -> list[Action]:
+        """Take the plan's steps (but those `done` already), each recorded as an action of the
+        incident at a time after `after_us` and the previous one's, so that they read back in
+        order. `picked_up`: an earlier controller's plan, whose attempt is already killed."""
         actions: list[Action] = []
-        gave_up: str | None = None
-        at = detected
-        for step in plan:
+        at = after_us
+        for step, already in zip(plan, done or [False] * len(plan), strict=True):
+            if already:
+                self.log.info("action %s %s was taken by the earlier controller", step.kind.value,
+                              step.target)
+                continue
             if step.kind is ActionKind.ISOLATE_NODE:
-                self._set_state(JobPhase.ISOLATING, verdict.attempt, incident_id=incident_id,
-                                plan=plan)
-            ok, detail = self._act(step)
-            at = max(self.clock(), at + 1)  # strictly increasing: actions read back in order
-            if step.kind is ActionKind.GIVE_UP:
-                gave_up = step.reason
-            action = Action(job=verdict.job, incident_id=incident_id, kind=step.kind,
+                self._set_state(JobPhase.ISOLATING, attempt, incident_id=incident_id, plan=plan)
+            if picked_up and step.kind is ActionKind.STOP_JOB:
+                ok, detail = True, (f"stopped (what was left of it) by a controller started "
+                                    f"again; {step.reason}")
+            else:
+                ok, detail = self._act(step)
+            at = max(self.clock(), at + 1)
+            action = Action(job=self.spec.job, incident_id=incident_id, kind=step.kind,
                             target=step.target, time_us=at, ok=ok,
                             detail=detail or step.reason, rule=step.rule)
             actions.append(action)
             self.outbox.put(action)
-        self._incidents.append(msgspec.structs.replace(incident, actions=tuple(actions)))
-        return gave_up
+        return actions
 
     def _keep_evidence(self, incident_id: str) -> None:
         """Save the snapshot behind a verdict: it replays through the analysis as it was."""
@@ -725,6 +714,11 @@ class Supervisor:
             self.orch.isolate(node, reason=step.reason)
             return True, f"isolated {node}: {step.reason}"
         return True, step.reason  # restart, observe and give up are carried out by the loop
+
+
+def _gave_up(plan: tuple[PlannedAction, ...]) -> str | None:
+    """Why the plan gives up on the job, if it does."""
+    return next((s.reason for s in plan if s.kind is ActionKind.GIVE_UP), None)
 
 
 def _trains(snapshot: JobSnapshot) -> bool:
