@@ -7,8 +7,7 @@ per process, so the first failure is known to the millisecond.
 
 With `warm_spares`, once the attempt trains (`warm_up`, called by the supervisor when every rank
 made its first step; at the latest `spare_delay_s` after the launch) one warm spare per rank is
-started
-(`agent.warmspare`: torch and the script's heavy modules imported, waiting on stdin), and
+started (`agent.warmspare`: torch and the script's heavy modules imported, waiting on stdin), and
 the next launch hands each rank to a spare instead of spawning a fresh interpreter. A command
 that is not `<this python> script.py ...` always spawns fresh ranks. Spares cost memory (one
 interpreter with torch per rank) and, while they import, CPU beside the running attempt.
@@ -110,8 +109,10 @@ class _Adopted:
         self.exit_file = exit_file
 
     def poll(self) -> int | None:
-        if start_time(self.pid) == self.started:
-            return None
+        return None if start_time(self.pid) == self.started else self.status()
+
+    def status(self) -> int:
+        """How the process ended, as its status file says (`EXIT_UNKNOWN` without one)."""
         if self.exit_file:
             with contextlib.suppress(OSError, ValueError):
                 return int(Path(f"{self.exit_file}.{self.pid}").read_text().strip() or "x")
@@ -183,9 +184,9 @@ class LocalOrchestrator:
         self._ranks: list[_Proc] = []
         self._agents: dict[NodeId, _Process] = {}
         self._old_sockdirs: list[Path] = []
+        """Socket directories of adopted node agents (removed on close)."""
         self._attempt_sockdir = self._sockdir
         """Where the current attempt's node agents have their sockets."""
-        """Socket directories of adopted node agents (removed on close)."""
         self._exits: queue.Queue[RankExit] = queue.Queue()
         self._exited = threading.Event()
         self._plan: AttemptPlan | None = None
@@ -325,21 +326,18 @@ class LocalOrchestrator:
     def warm_up(self) -> None:
         """The attempt trains (every rank made its first step): start the next attempt's spares
         now rather than at the fallback delay."""
-        plan = self._plan
-        if plan is None or not self.warm_spares or self._warm_script(plan) is None:
-            return
-        if self._spare_timer is not None:
-            self._spare_timer.cancel()
-        self._spare_timer = threading.Timer(0.0, self._top_up, args=(plan,))
-        self._spare_timer.daemon = True
-        self._spare_timer.start()
+        if self._plan is not None:
+            self._schedule_spares(self._plan, delay_s=0.0)
 
-    def _schedule_spares(self, plan: AttemptPlan) -> None:
+    def _schedule_spares(self, plan: AttemptPlan, *, delay_s: float | None = None) -> None:
+        """Start `plan`'s spares after `delay_s` (default: the fallback `spare_delay_s`),
+        instead of when an earlier call said."""
         if not self.warm_spares or self._warm_script(plan) is None:
             return
         if self._spare_timer is not None:
             self._spare_timer.cancel()
-        self._spare_timer = threading.Timer(self.spare_delay_s, self._top_up, args=(plan,))
+        delay = self.spare_delay_s if delay_s is None else delay_s
+        self._spare_timer = threading.Timer(delay, self._top_up, args=(plan,))
         self._spare_timer.daemon = True
         self._spare_timer.start()
 
@@ -466,15 +464,9 @@ class LocalOrchestrator:
                              output=None) for e, a in ranks]
         # The ranks' node agents ship to the dead controller's sink (its ingest endpoint, with
         # the embedded store): new ones take their sockets and spools (the ranks reconnect).
-        old_agents = [a for _, a in self._live(noted.get("agents"))]
-        for agent in old_agents:
-            agent.send_signal(signal.SIGTERM)  # what they cannot ship stays in their spools
-        deadline = time.monotonic() + 5.0
-        for agent in old_agents:
-            try:
-                agent.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                agent.kill()
+        # What they cannot ship stays in their spools.
+        _end_agents({NodeId(str(e.get("node"))): a for e, a in self._live(noted.get("agents"))},
+                    timeout_s=5.0)
         self._attempt_sockdir = Path(str(noted.get("sockdir", "")))
         self._old_sockdirs.append(self._attempt_sockdir)
         self._agents = {}
@@ -487,12 +479,12 @@ class LocalOrchestrator:
                 continue
             # ended before this controller looked: how, its status file may say
             e = noted_ranks.get(rank, {})
-            pid = e.get("pid") if isinstance(e.get("pid"), int) else 0
-            gone = _Adopted(int(str(pid)), -1, str(e.get("exit_file", "")))
+            pid = e.get("pid")
+            pid = pid if isinstance(pid, int) else 0
+            code = _Adopted(pid, 0, str(e.get("exit_file", ""))).status() if pid else EXIT_UNKNOWN
             self._exits.put(RankExit(
                 job=JobId(plan.job), attempt=plan.attempt, node=NodeId(where), rank=Rank(rank),
-                pid=int(str(pid)), exit_code=gone.poll() or 0 if pid else EXIT_UNKNOWN,
-                time_us=now_us()))
+                pid=pid, exit_code=code, time_us=now_us()))
             self._exited.set()
         for proc in self._ranks:
             threading.Thread(target=self._wait, args=(plan, proc), name=f"wait-rank-{proc.rank}",
@@ -506,7 +498,8 @@ class LocalOrchestrator:
 
     def kill_leftovers(self, attempt: int) -> int:
         """Kill what an earlier controller left running of an attempt this one will not
-        continue (node agents get SIGTERM first: they ship what they hold); how many ranks."""
+        continue (ranks SIGKILL; node agents SIGTERM: they ship what they hold); how many
+        ranks."""
         noted = self._read_pids(attempt) or {}
         ranks = self._live(noted.get("ranks"))
         # and ranks spawned before the pid file was written (a launch cut short): found by the
@@ -515,18 +508,13 @@ class LocalOrchestrator:
         ranks += [({}, proc) for proc in self._spawned_ranks(attempt) if proc.pid not in known]
         for _, proc in ranks:
             _kill_group_of(proc.pid)
-        agents = self._live(noted.get("agents"))
-        for _, agent in agents:
-            agent.send_signal(signal.SIGTERM)
+        agents = {NodeId(str(e.get("node"))): a for e, a in self._live(noted.get("agents"))}
         for _, proc in ranks:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-        for _, agent in agents:
-            try:
-                agent.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-        shutil.rmtree(str(noted.get("sockdir", "")), ignore_errors=True)
+        _end_agents(agents)
+        if noted.get("sockdir"):
+            shutil.rmtree(str(noted["sockdir"]), ignore_errors=True)
         if ranks or agents:
             log.warning("%s attempt %d: killed %d ranks and %d node agents an earlier "
                         "controller left running", self.workdir, attempt, len(ranks),
@@ -593,19 +581,8 @@ class LocalOrchestrator:
                 log.error("rank %d (pid %d) survived SIGKILL", p.rank, p.popen.pid)
         self._stop_agents()
 
-    def _stop_agents(self, timeout_s: float = 15.0) -> None:
-        for agent in self._agents.values():
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for node, agent in self._agents.items():
-            try:
-                agent.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("node agent %s did not finish shipping in %.0f s; killing it "
-                            "(its spool keeps what it held)", node, timeout_s)
-                agent.kill()
-                agent.wait()
+    def _stop_agents(self) -> None:
+        _end_agents(self._agents)
         self._agents = {}
 
     def finish(self) -> None:
@@ -628,6 +605,23 @@ class LocalOrchestrator:
 def _entries(value: object) -> list[dict[str, object]]:
     """The process entries of a pid file's list (whatever else it holds is ignored)."""
     return [e for e in value if isinstance(e, dict)] if isinstance(value, list) else []
+
+
+def _end_agents(agents: Mapping[NodeId, _Process], timeout_s: float = 15.0) -> None:
+    """SIGTERM node agents (they ship what they hold, or spool it) and wait for them together
+    for up to `timeout_s`; kill those still running then."""
+    for agent in agents.values():
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for node, agent in agents.items():
+        try:
+            agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("node agent %s did not finish shipping in %.0f s; killing it "
+                        "(its spool keeps what it held)", node, timeout_s)
+            agent.kill()
+            agent.wait()
 
 
 def _kill_group_of(pid: int) -> None:
