@@ -152,9 +152,7 @@ class Journal:
             self._pending[entry.number] = entry
             entries.append(entry)
         if self.path is not None:
-            _append(self.path, b"".join(
-                _line({"n": e.number, "put": kind_of(e.record), "record": to_json(e.record)})
-                for e in entries))
+            _append(self.path, b"".join(_line(_put(e)) for e in entries))
         return entries
 
     def done(self, entry: Entry) -> None:
@@ -165,7 +163,7 @@ class Journal:
         """The store refused the record for good: keep a copy aside, stop retrying it."""
         line = {"n": entry.number, "refused": reason}
         if self.path is not None:
-            aside = {"put": kind_of(entry.record), "record": to_json(entry.record), **line}
+            aside = {**_put(entry), **line}
             _append(self.path.with_name(self.path.name + ".refused"), _line(aside))
         self._settle(entry, line)
 
@@ -187,12 +185,16 @@ class Journal:
         if self.path is None:
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
-        lines = [{"n": e.number, "put": kind_of(e.record), "record": to_json(e.record)}
-                 for e in self.pending()]
+        lines = [_put(e) for e in self.pending()]
         try:
             write_atomic(self.path, b"".join(_line(line) for line in lines), tmp=tmp)
         except OSError as exc:
             log.error("journal %s: could not compact: %s", self.path, exc)
+
+
+def _put(entry: Entry) -> dict[str, Any]:
+    """The journal line that puts an entry's record."""
+    return {"n": entry.number, "put": kind_of(entry.record), "record": to_json(entry.record)}
 
 
 def _line(value: dict[str, Any]) -> bytes:
