@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
 import msgspec
@@ -46,6 +46,7 @@ from tracehound.tracing.store.schema import (
     add_column_statement,
     check_identifier,
     create_statements,
+    drop_partition_statement,
     table_of,
     tables,
 )
@@ -67,6 +68,27 @@ Row = Sequence[Any]
 def columns_of(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
     """Rows transposed into `width` columns."""
     return [[row[i] for row in rows] for i in range(width)]
+
+
+Query = Callable[[str, Params], list[Row]]
+"""Runs one SQL text with bound values on one server: `SqlTraceStore._query`, or a cluster
+replica's connection (`store.cluster`)."""
+
+
+def add_missing_columns(query: Query, database: str, table: Table) -> None:
+    """Add to `database.<table>` on the server `query` runs on the declared columns it lacks
+    (a store made by an older version)."""
+    have = {str(r[0]) for r in query(
+        q.SQL_TABLE_COLUMNS, {"database": database, "table": table.name})}
+    for column in table.columns:
+        if column.name not in have:
+            query(add_column_statement(database, table, column), {})
+
+
+def old_partitions(rows: Sequence[Row], day: int) -> list[int]:
+    """The daily partitions (`YYYYMMDD`) among the `partition` values of `rows` that are older
+    than `day`, ascending and once each."""
+    return sorted({int(p) for (p, *_) in rows if str(p).isdigit() and int(p) < day})
 
 
 class SqlTraceStore(abc.ABC):
@@ -129,11 +151,7 @@ class SqlTraceStore(abc.ABC):
         for statement in create_statements(self.database):
             self._query(statement, {})
         for table in tables():
-            have = {str(r[0]) for r in self._query(
-                q.SQL_TABLE_COLUMNS, {"database": self.database, "table": table.name})}
-            for column in table.columns:
-                if column.name not in have:
-                    self._query(add_column_statement(self.database, table, column), {})
+            add_missing_columns(self._query, self.database, table)
 
     def drop_days_before(self, day: int, *, dry_run: bool = False) -> dict[str, list[int]]:
         """Drop every table's daily partitions (`YYYYMMDD`, UTC) older than `day`; what was
@@ -142,14 +160,20 @@ class SqlTraceStore(abc.ABC):
             raise ValueError(f"day: expected a date as YYYYMMDD, got {day}")
         dropped: dict[str, list[int]] = {}
         for table in tables():
-            rows = self._query(q.SQL_PARTITIONS, {"database": self.database, "table": table.name})
-            old = sorted(int(p) for (p,) in rows if str(p).isdigit() and int(p) < day)
-            for partition in old if not dry_run else ():
-                self._query(f"ALTER TABLE {self.database}.{check_identifier(table.name)} "
-                            f"DROP PARTITION {partition:d}", {})
+            old = self._drop_partitions_before(table, day, dry_run=dry_run)
             if old:
                 dropped[table.name] = old
         return dropped
+
+    def _drop_partitions_before(self, table: Table, day: int, *, dry_run: bool) -> list[int]:
+        """The daily partitions of `table` older than `day`, dropped unless `dry_run`. The
+        server adapter's cluster mode overrides it: there the partitions are those of every
+        shard's local table."""
+        old = old_partitions(self._query(q.SQL_PARTITIONS, {
+            "database": self.database, "table": table.name}), day)
+        for partition in old if not dry_run else ():
+            self._query(drop_partition_statement(self.database, table, partition), {})
+        return old
 
     def insert(self, batch: Batch, *, maybe_duplicate: bool = False) -> InsertReport:
         inserted = skipped = 0

@@ -7,6 +7,10 @@ CODEC or LowCardinality. Sub-second times are UInt64 microseconds; the `ts` colu
 partition by day (retention is `ALTER TABLE ... DROP PARTITION`). Tables of batch records carry
 the `batch_id` they arrived in, which is how a retried batch is recognised.
 
+In cluster mode (`store.cluster`) each table is kept twice: a `<table>_local` table of the same
+columns and engine on every shard, and a `Distributed` table of the plain name over them, sharded
+by `sharding_key`; every query and insert names the plain table, so it goes through the shards.
+
 This module only describes tables. It must never run a query or hold a connection, and it must
 never put a value into SQL text: the only names it formats into statements are validated
 identifiers.
@@ -15,7 +19,7 @@ identifiers.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tracehound.tracing import kinds
 from tracehound.tracing.errors import StoreConfigError
@@ -70,9 +74,25 @@ class Table:
         """The columns a record is read back from, in order: the table's, minus batch_id."""
         return tuple(name for name in self.column_names if name != "batch_id")
 
-    def create_statement(self, database: str) -> str:
-        """The CREATE TABLE IF NOT EXISTS statement of this table in `database`."""
-        check_identifier(database)
+    @property
+    def local(self) -> Table:
+        """This table as each shard keeps it in cluster mode: `<name>_local`, same columns and
+        engine (the Distributed table over them keeps the plain name)."""
+        return replace(self, name=f"{self.name}_local")
+
+    @property
+    def sharding_key(self) -> str:
+        """The expression a Distributed table spreads this table's rows over the shards by:
+        `cityHash64(job, rank)` where there is a rank (a job's ranks spread over every shard,
+        and one rank's rows stay together), else `cityHash64(job)` (a job's controller records,
+        clock readings and health samples on one shard; node-wide health samples, whose job is
+        '', all land on one shard)."""
+        names = self.column_names
+        if "job" not in names:
+            raise StoreConfigError(f"table {self.name} has no job column to shard by")
+        return "cityHash64(job, rank)" if "rank" in names else "cityHash64(job)"
+
+    def _columns_text(self) -> str:
         check_identifier(self.name)
         for c in self.columns:
             check_identifier(c.name)
@@ -80,11 +100,36 @@ class Table:
                 raise StoreConfigError(f"column {self.name}.{c.name}: unsupported type {c.type!r}")
         columns = ",\n".join(f"    {c.name} {c.type}" for c in self.columns)
         return (
-            f"CREATE TABLE IF NOT EXISTS {database}.{self.name} (\n{columns},\n"
+            f"(\n{columns},\n"
             f"    ts DateTime('UTC') DEFAULT toDateTime(intDiv({self.time_column}, 1000000), 'UTC')"
-            f"\n) ENGINE = {self.engine}\n"
+            "\n)"
+        )
+
+    def create_statement(self, database: str, *, on_cluster: str | None = None) -> str:
+        """The CREATE TABLE IF NOT EXISTS statement of this table in `database` (on every host
+        of the cluster `on_cluster`, when given)."""
+        check_identifier(database)
+        return (
+            f"CREATE TABLE IF NOT EXISTS {database}.{self.name}{_on(on_cluster)} "
+            f"{self._columns_text()} ENGINE = {self.engine}\n"
             "PARTITION BY toYYYYMMDD(ts)\n"
             f"ORDER BY ({', '.join(self.order_by)})"
+        )
+
+    def distributed_statement(
+        self, database: str, *, cluster: str, local_database: str | None,
+        on_cluster: str | None = None,
+    ) -> str:
+        """The CREATE TABLE IF NOT EXISTS statement of this table in `database` as a Distributed
+        table over the `local` tables of `cluster`'s shards, in `local_database` on every shard,
+        or with None in each replica's own `default_database` (the engine's '')."""
+        check_identifier(database)
+        check_identifier(cluster)
+        shard_database = "''" if local_database is None else check_identifier(local_database)
+        return (
+            f"CREATE TABLE IF NOT EXISTS {database}.{self.name}{_on(on_cluster)} "
+            f"{self._columns_text()} ENGINE = Distributed({cluster}, {shard_database}, "
+            f"{self.local.name}, {self.sharding_key})"
         )
 
 
@@ -120,7 +165,14 @@ INCIDENTS = table_of(Incident)
 ACTIONS = table_of(Action)
 
 
-def add_column_statement(database: str, table: Table, column: Column) -> str:
+def _on(cluster: str | None) -> str:
+    """The ` ON CLUSTER name` of a distributed DDL statement, or nothing."""
+    return "" if cluster is None else f" ON CLUSTER {check_identifier(cluster)}"
+
+
+def add_column_statement(
+    database: str, table: Table, column: Column, *, on_cluster: str | None = None
+) -> str:
     """The ALTER TABLE that adds `column` (declared, missing from an older store) to `table`."""
     check_identifier(database)
     check_identifier(table.name)
@@ -128,12 +180,25 @@ def add_column_statement(database: str, table: Table, column: Column) -> str:
     if not _TYPE.fullmatch(column.type):
         raise StoreConfigError(f"column {table.name}.{column.name}: unsupported type "
                                f"{column.type!r}")
-    return f"ALTER TABLE {database}.{table.name} ADD COLUMN {column.name} {column.type}"
+    return (f"ALTER TABLE {database}.{table.name}{_on(on_cluster)} "
+            f"ADD COLUMN {column.name} {column.type}")
+
+
+def drop_partition_statement(
+    database: str, table: Table, partition: int, *, on_cluster: str | None = None
+) -> str:
+    """The ALTER TABLE that drops one daily partition (`YYYYMMDD`, an int) of `table`."""
+    check_identifier(database)
+    check_identifier(table.name)
+    return f"ALTER TABLE {database}.{table.name}{_on(on_cluster)} DROP PARTITION {int(partition):d}"
+
+
+def create_database_statement(database: str, *, on_cluster: str | None = None) -> str:
+    return f"CREATE DATABASE IF NOT EXISTS {check_identifier(database)}{_on(on_cluster)}"
 
 
 def create_statements(database: str) -> list[str]:
     """Every statement that creates the store in `database`, in order; each is idempotent."""
-    check_identifier(database)
-    return [f"CREATE DATABASE IF NOT EXISTS {database}"] + [
+    return [create_database_statement(database)] + [
         t.create_statement(database) for t in tables()
     ]
