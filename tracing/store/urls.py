@@ -1,6 +1,11 @@
 """Store URLs: which store a URL names, and how to show it without its password.
 
 - `clickhouse://user:password@host:9000/database`: a ClickHouse server (`store.server`).
+- `clickhouse://user:password@host:9000/database?cluster=NAME`: the same server as the entry to
+  the ClickHouse cluster NAME of its `remote_servers`: local tables on every shard, Distributed
+  tables over them (`store.cluster`). The shards' tables are created with `ON CLUSTER` DDL,
+  which needs the cluster's ZooKeeper; add `&ddl=per_shard` on a cluster without one, and the
+  store creates them on each replica `system.clusters` names, over its own connections.
 - `chdb:///path/to/dir` (or `chdb://./relative/dir`): ClickHouse embedded in this process
   (`store.embedded`), the zero-setup default on one machine.
 """
@@ -8,8 +13,10 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from enum import StrEnum
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from tracehound.tracing.errors import StoreConfigError
 
@@ -26,6 +33,27 @@ def mask_url(url: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
+class ClusterDdl(StrEnum):
+    """How a cluster-mode store creates and changes the tables on the shards (`?ddl=`)."""
+
+    ON_CLUSTER = "on_cluster"
+    """`CREATE/ALTER/DROP ... ON CLUSTER`, run by the servers themselves (distributed DDL: the
+    cluster needs ZooKeeper and a `distributed_ddl` section). The client reaches only the URL's
+    server."""
+    PER_SHARD = "per_shard"
+    """The store connects to every replica `system.clusters` names and runs the DDL there, for
+    clusters without ZooKeeper. The client must reach each replica with the URL's user."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """The cluster a store URL names (`?cluster=NAME[&ddl=per_shard]`)."""
+
+    name: str
+    """A cluster of the server's `remote_servers` (a plain identifier)."""
+    ddl: ClusterDdl = ClusterDdl.ON_CLUSTER
+
+
 @dataclass(frozen=True, slots=True)
 class ServerAddress:
     host: str
@@ -33,6 +61,54 @@ class ServerAddress:
     user: str
     password: str
     database: str
+    cluster: ClusterSpec | None = None
+    """The cluster the store spreads its tables over, None for tables on this server alone."""
+
+
+_CLUSTER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_URL_PARAMETERS = ("cluster", "ddl")
+
+
+def _cluster_of(query: str, shown: str) -> ClusterSpec | None:
+    """The cluster named by a server URL's query string, or None; StoreConfigError naming the
+    parameter for anything else (an unknown parameter is refused rather than ignored, so a
+    misspelt `?clustr=` cannot silently give a single-server store)."""
+    try:
+        values = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise StoreConfigError(
+            f"store URL {shown!r}: cannot read its parameters {query!r}: expected "
+            "?cluster=NAME or ?cluster=NAME&ddl=per_shard"
+        ) from None
+    for name, given in values.items():
+        if name not in _URL_PARAMETERS:
+            raise StoreConfigError(
+                f"store URL {shown!r}: unknown parameter {name!r}; expected one of "
+                f"{', '.join(_URL_PARAMETERS)}"
+            )
+        if len(given) > 1:
+            raise StoreConfigError(f"store URL {shown!r}: parameter {name!r} is given "
+                                   f"{len(given)} times; expected it once")
+    if "cluster" not in values:
+        if "ddl" in values:
+            raise StoreConfigError(f"store URL {shown!r}: parameter 'ddl' needs a cluster: "
+                                   "expected ?cluster=NAME&ddl=...")
+        return None
+    name = values["cluster"][0]
+    if not _CLUSTER_NAME.fullmatch(name):
+        raise StoreConfigError(
+            f"store URL {shown!r}: parameter 'cluster' is {name!r}; expected the name of a "
+            "cluster of the server's remote_servers (letters, digits and _, not starting with "
+            "a digit)"
+        )
+    ddl = values.get("ddl", [ClusterDdl.ON_CLUSTER.value])[0]
+    try:
+        return ClusterSpec(name=name, ddl=ClusterDdl(ddl))
+    except ValueError:
+        raise StoreConfigError(
+            f"store URL {shown!r}: parameter 'ddl' is {ddl!r}; expected one of "
+            f"{', '.join(d.value for d in ClusterDdl)}"
+        ) from None
 
 
 def parse_server_url(url: str) -> ServerAddress:
@@ -60,6 +136,7 @@ def parse_server_url(url: str) -> ServerAddress:
         user=unquote(parts.username or "default"),
         password=unquote(parts.password or ""),
         database=database,
+        cluster=_cluster_of(parts.query, shown),
     )
 
 
