@@ -25,6 +25,12 @@ from xml.sax.saxutils import escape
 SERVER_BINARY = "clickhouse-server"
 USERS_CONFIG = "/etc/clickhouse-server/users.xml"
 TEST_DATABASE = "tracehound_test"
+TEST_CLUSTER = "tracehound_test"
+"""A cluster of two shards that the harness's server defines on itself (`remote_servers`), so
+the store's cluster mode is tested for real on one server: both shards are this server's own
+native port, and each shard's replica names its own `default_database` (`SHARD_DATABASES`),
+which is where the store puts that shard's local tables."""
+SHARD_DATABASES = ("tracehound_shard1", "tracehound_shard2")
 INSTALL_HINT = "apt-get install -y clickhouse-server clickhouse-client"
 
 
@@ -56,6 +62,17 @@ def _config_xml(workdir: Path, tcp_port: int, http_port: int) -> str:
     def p(name: str) -> str:
         return escape(str(workdir / name)) + "/"
 
+    shards = "".join(
+        f"""
+            <shard>
+                <replica>
+                    <host>127.0.0.1</host>
+                    <port>{tcp_port}</port>
+                    <default_database>{escape(database)}</default_database>
+                </replica>
+            </shard>"""
+        for database in SHARD_DATABASES
+    )
     return f"""<?xml version="1.0"?>
 <yandex>
     <logger>
@@ -79,6 +96,10 @@ def _config_xml(workdir: Path, tcp_port: int, http_port: int) -> str:
     <users_config>{escape(USERS_CONFIG)}</users_config>
     <default_profile>default</default_profile>
     <default_database>default</default_database>
+    <remote_servers>
+        <{TEST_CLUSTER}>{shards}
+        </{TEST_CLUSTER}>
+    </remote_servers>
 </yandex>
 """
 

@@ -1,8 +1,10 @@
 """Fixtures shared by the whole test suite: a real ClickHouse server, and store URLs for both
-trace store adapters.
+trace store adapters (the server one also in cluster mode).
 
 The server comes from `tests/clickhouse_harness.py` (Debian's clickhouse-server, started once per
-session in a temp dir) unless TRACEHOUND_TEST_CLICKHOUSE_URL names a running one.
+session in a temp dir) unless TRACEHOUND_TEST_CLICKHOUSE_URL names a running one. The harness's
+server also defines the two-shard cluster `TEST_CLUSTER` on itself; a server given by URL is
+used in cluster mode only if it defines a cluster of that name.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import clickhouse_harness`
 
-from clickhouse_harness import start_server
+from clickhouse_harness import TEST_CLUSTER, start_server
 
 from tracehound.tracing.store import TraceStore, open_store
 
@@ -44,9 +46,43 @@ def _with_database(url: str, database: str) -> str:
     return urlsplit(url)._replace(path=f"/{database}").geturl()
 
 
+def drop_server_store(url: str) -> None:
+    """Drop a server store's database (and, in cluster mode, every shard's local tables)."""
+    from tracehound.tracing.store.server import ClickHouseServerStore
+
+    cleanup = ClickHouseServerStore(url)
+    try:
+        cleanup.drop_database()
+    finally:
+        cleanup.close()
+
+
+@pytest.fixture(scope="session")
+def test_cluster(clickhouse_url: str) -> str:
+    """The name of the test server's own two-shard cluster; skips when a server given by
+    $TRACEHOUND_TEST_CLICKHOUSE_URL does not define it (its config is not the harness's)."""
+    from clickhouse_driver import Client
+
+    address = urlsplit(clickhouse_url)
+    client = Client(host=address.hostname or "127.0.0.1", port=address.port or 9000,
+                    user=address.username or "default", password=address.password or "")
+    try:
+        shards: int = client.execute(
+            "SELECT count(DISTINCT shard_num) FROM system.clusters WHERE cluster = %(c)s",
+            {"c": TEST_CLUSTER})[0][0]
+    finally:
+        client.disconnect()
+    if shards < 2:
+        pytest.skip(f"the ClickHouse server at {clickhouse_url} defines no cluster "
+                    f"{TEST_CLUSTER!r} of two shards in its remote_servers (start it with "
+                    "tests/clickhouse_harness.py to test the store's cluster mode)")
+    return TEST_CLUSTER
+
+
 @pytest.fixture(
     params=[
         pytest.param("server", marks=pytest.mark.clickhouse_server, id="server"),
+        pytest.param("cluster", marks=pytest.mark.clickhouse_server, id="cluster"),
         pytest.param("embedded", id="embedded"),
     ]
 )
@@ -55,6 +91,8 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
     - server: the session's ClickHouse server with a new database `tracehound_t<random>`,
       dropped after the test.
+    - cluster: the same in cluster mode over the server's own two-shard cluster
+      (`cluster_url`); skipped when a server given by URL does not define that cluster.
     - embedded: `chdb://<tmp_path>/chdb`, a new directory per test.
 
     chdb lets one process hold only ONE data directory at a time ("EmbeddedServer already
@@ -67,16 +105,28 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "embedded":
         yield f"chdb://{tmp_path / 'chdb'}"
         return
+    if request.param == "cluster":
+        yield request.getfixturevalue("cluster_url")
+        return
     server_url: str = request.getfixturevalue("clickhouse_url")
     url = _with_database(server_url, f"tracehound_t{uuid.uuid4().hex[:12]}")
     yield url
-    from tracehound.tracing.store.server import ClickHouseServerStore
+    drop_server_store(url)
 
-    cleanup = ClickHouseServerStore(url)
-    try:
-        cleanup.drop_database()
-    finally:
-        cleanup.close()
+
+@pytest.fixture
+def cluster_url(clickhouse_url: str, test_cluster: str) -> Iterator[str]:
+    """A fresh cluster-mode store URL on the session server's own two-shard cluster:
+    `.../tracehound_t<random>?cluster=tracehound_test&ddl=per_shard` (per_shard: the server has
+    no ZooKeeper for ON CLUSTER DDL). Its local tables live in the shards' databases, which every
+    cluster-mode store on the server shares, so they are dropped before the test (leftovers of
+    an interrupted run) and after it, with the store's database."""
+    database = f"tracehound_t{uuid.uuid4().hex[:12]}"
+    url = urlsplit(_with_database(clickhouse_url, database))._replace(
+        query=f"cluster={test_cluster}&ddl=per_shard").geturl()
+    drop_server_store(url)
+    yield url
+    drop_server_store(url)
 
 
 @pytest.fixture
