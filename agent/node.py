@@ -187,6 +187,9 @@ class NodeAgent:
             path.unlink()
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(self.socket_path)
+        # ranks in other containers of a Kubernetes pod run as other users: they share the
+        # agent's group there (the pod's fsGroup), so the group may connect, nobody else
+        os.chmod(self.socket_path, 0o660)
         server.listen(128)
         server.settimeout(0.2)
         self._server = server
