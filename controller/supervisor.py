@@ -91,6 +91,9 @@ class JobSpec:
     nproc_per_node: int
     spare_nodes: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    pool: tuple[str, ...] = ()
+    """The nodes the job may use, in the order spares are taken (default: node-0 .. node-N for
+    nnodes + spare_nodes local "nodes")."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,6 +137,12 @@ class PollView:
     orchestrator: Orchestrator
 
 
+class Detached(Exception):
+    """Raised by a supervisor's `sleep` to leave the job as it is: the ranks keep running, no
+    state is written, and a later supervisor on the same store picks the job up (the
+    Kubernetes operator shutting down or moving)."""
+
+
 class Supervisor:
     def __init__(
         self,
@@ -148,12 +157,14 @@ class Supervisor:
         evidence_dir: Path | None = None,
         journal_path: Path | None = None,
         notify: Callable[[Alert], object] | None = None,
+        on_state: Callable[[JobState], object] | None = None,
     ) -> None:
         """`journal_path` is where records wait for the store (default: `journal.jsonl` in
         `evidence_dir`; with neither they wait in memory only and are lost with the process).
         `notify` is told each incident as it fires, and again once the job is healthy (the
         restarted attempt made its first step, or the attempt finished): the alert outbox's
-        `Dispatcher.enqueue`, usually."""
+        `Dispatcher.enqueue`, usually. `on_state` is told each state once it is journaled (the
+        operator mirrors it into the TrainingJob's status); it must not raise."""
         self.spec = spec
         self.store = store
         self.orch = orchestrator
@@ -163,6 +174,7 @@ class Supervisor:
         self.observer = observer
         self.evidence_dir = evidence_dir
         self.notify = notify
+        self.on_state = on_state
         self._open: list[Incident] = []
         """Incidents announced and not yet resolved."""
         self._last_snapshot: JobSnapshot | None = None
@@ -173,7 +185,8 @@ class Supervisor:
         """Watched episodes already recorded as incidents (recorded once, however long)."""
         self._soft_quiet_until = 0
         self.pool = NodePool(
-            [NodeId(f"node-{i}") for i in range(spec.nnodes + spec.spare_nodes)]
+            [NodeId(n) for n in spec.pool]
+            or [NodeId(f"node-{i}") for i in range(spec.nnodes + spec.spare_nodes)]
         )
         self.log = JobLogger(log, job=spec.job)
         self._incidents: list[Incident] = []
@@ -231,6 +244,12 @@ class Supervisor:
                                                f"({verdict.summary}): {gave_up}")
                 attempt += 1
                 self._restart(attempt)
+        except Detached as exc:  # the job goes on; a later supervisor picks it up
+            self.log.info("detached from the job (%s): its ranks keep running", exc)
+            last = self._state.attempt if self._state is not None else 0
+            return RunResult(job=self.spec.job, completed=False, attempts=last + 1,
+                             incidents=tuple(self._incidents), reason=f"detached: {exc}",
+                             restarts=tuple(self._restarts))
         except KeyboardInterrupt as exc:  # the operator stopped the run: a run of its own ended
             last = self._state.attempt if self._state is not None else 0
             self._set_state(JobPhase.FAILED, last, detail=f"interrupted ({exc or 'Ctrl-C'}); "
@@ -329,6 +348,11 @@ class Supervisor:
         """Said once the state is journaled (and stored, if the store answered)."""
         self.log.info("state %s (attempt %d%s)", state.state.value, state.attempt,
                       f", incident {state.incident_id}" if state.incident_id else "")
+        if self.on_state is not None:
+            try:
+                self.on_state(state)
+            except Exception:  # an observer's failure must not stop the supervision
+                self.log.exception("could not report state %s", state.state.value)
 
     def _pick_up(self) -> tuple[int, bool] | RunResult:
         """Where this run starts: (attempt, whether it is already running and was adopted).
