@@ -5,6 +5,8 @@
     tracehound incidents  list stored incidents and the actions taken
     tracehound status     a supervised job's state, attempts, isolated nodes, open incidents
     tracehound retention  drop stored records older than N days
+    tracehound operator   the Kubernetes operator over TrainingJob resources
+    tracehound bundle     copy the recorder where another image can import it
     tracehound diagnose   explain a job's state from its stored traces
     tracehound simulate   write a simulated job's traces (with a fault) to a store
     tracehound agent      run a node agent on its own (torchrun, srun, Ray, Kubernetes)
@@ -29,8 +31,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from tracehound.controller import (
+    bundle,
     importfr,
     launchers,
+    operator,
     policyfile,
     retention,
     stacks_cli,
@@ -228,6 +232,8 @@ def _parser() -> argparse.ArgumentParser:
     policyfile.add_parser(sub)
     status.add_parser(sub, _store_arg)
     retention.add_parser(sub, _store_arg)
+    operator.add_parser(sub, _store_arg)
+    bundle.add_parser(sub)
     return parser
 
 
