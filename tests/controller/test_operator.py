@@ -35,7 +35,8 @@ NAME = "bert"
 JOB = job_id(NS, NAME)
 SPEC: dict[str, Any] = {
     "image": "registry.example/bert:7", "command": ["python", "train.py"],
-    "nodes": 2, "procsPerNode": 2, "spareNodes": 1, "nodeSelector": {"pool": "gpu"},
+    "nodes": 2, "procsPerNode": 2, "spareNodes": 1, "warmStandby": 1,
+    "nodeSelector": {"pool": "gpu"},
     "checkpointDir": "/ckpt",
 }
 SETTINGS = SupervisorSettings(poll_s=0.2, detection=DetectionSettings(hang_after_s=2.0))
@@ -202,7 +203,8 @@ def test_a_faulty_node_is_cordoned_once_its_pods_recreated_and_a_restarted_opera
     # attempt 0's pods were deleted, attempt 1's created once each on n-a and n-c
     assert not _rank_pods(kube, 0)
     created = [r.data["metadata"]["name"] for r in emulator.requests("POST", "pods")]
-    assert sorted(created) == sorted([*pods0, "bert-a1-n0", "bert-a1-n1"]), created
+    ranks_created = [n for n in created if "-standby-" not in n]
+    assert sorted(ranks_created) == sorted([*pods0, "bert-a1-n0", "bert-a1-n1"]), created
     pods1 = _rank_pods(kube, 1)
     assert {name: _pinned_node(p) for name, p in pods1.items()} == {
         "bert-a1-n0": "n-a", "bert-a1-n1": "n-c"}
@@ -217,6 +219,11 @@ def test_a_faulty_node_is_cordoned_once_its_pods_recreated_and_a_restarted_opera
     env = {e.name: e.value for e in trainer.env}
     assert env["TRACEHOUND_JOB_ID"] == JOB and env["TRACEHOUND_ATTEMPT"] == "1"
     assert env["PYTHONPATH"] == f"{ko.RECORDER_DIR}/bootstrap:{ko.RECORDER_DIR}/site"
+
+    # the spare n-c was kept warm by a standby pod until attempt 1 took the node
+    standby = ko.standby_name(NAME, "n-c")
+    assert created.count(standby) == 1
+    assert standby not in {p.metadata.name for p in kube.pods(NS)}
 
     # the status says what happened
     status = kube.job(NS, NAME)["status"]
