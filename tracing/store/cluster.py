@@ -60,8 +60,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tracehound.tracing.errors import PermanentStoreError, StoreConfigError
-from tracehound.tracing.store import sql as q
-from tracehound.tracing.store.engine import Query, Row, add_missing_columns, old_partitions
+from tracehound.tracing.store.engine import (
+    Query,
+    Row,
+    add_missing_columns,
+    drop_old_partitions,
+    old_partitions,
+)
 from tracehound.tracing.store.schema import (
     Table,
     add_column_statement,
@@ -245,12 +250,8 @@ class ClusterLayout:
         found: set[int] = set()
         for replica in self.replicas():
             with closing(self._connect(replica)) as connection:
-                here = old_partitions(connection.query(q.SQL_PARTITIONS, {
-                    "database": replica.database, "table": local.name}), day)
-                for partition in here if not dry_run else ():
-                    connection.query(
-                        drop_partition_statement(replica.database, local, partition), {})
-            found.update(here)
+                found.update(drop_old_partitions(connection.query, replica.database, local, day,
+                                                 dry_run=dry_run))
         return sorted(found)
 
     def drop(self) -> None:

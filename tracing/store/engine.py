@@ -91,6 +91,17 @@ def old_partitions(rows: Sequence[Row], day: int) -> list[int]:
     return sorted({int(p) for (p, *_) in rows if str(p).isdigit() and int(p) < day})
 
 
+def drop_old_partitions(query: Query, database: str, table: Table, day: int, *,
+                        dry_run: bool) -> list[int]:
+    """The daily partitions of `database.<table>` on the server `query` runs on that are older
+    than `day`, dropped unless `dry_run`."""
+    old = old_partitions(query(q.SQL_PARTITIONS, {"database": database, "table": table.name}),
+                         day)
+    for partition in old if not dry_run else ():
+        query(drop_partition_statement(database, table, partition), {})
+    return old
+
+
 class SqlTraceStore(abc.ABC):
     """A TraceStore over ClickHouse SQL; subclasses supply `_query`, `_insert` and `close`.
 
@@ -169,11 +180,7 @@ class SqlTraceStore(abc.ABC):
         """The daily partitions of `table` older than `day`, dropped unless `dry_run`. The
         server adapter's cluster mode overrides it: there the partitions are those of every
         shard's local table."""
-        old = old_partitions(self._query(q.SQL_PARTITIONS, {
-            "database": self.database, "table": table.name}), day)
-        for partition in old if not dry_run else ():
-            self._query(drop_partition_statement(self.database, table, partition), {})
-        return old
+        return drop_old_partitions(self._query, self.database, table, day, dry_run=dry_run)
 
     def insert(self, batch: Batch, *, maybe_duplicate: bool = False) -> InsertReport:
         inserted = skipped = 0
