@@ -218,8 +218,9 @@ def rank_pod(*, spec: TrainingJobSpec, plan: AttemptPlan, resource: str, node_ra
     ]
     if spec.checkpoint_dir:
         trainer_env.append({"name": env.TRACEHOUND_CHECKPOINT_DIR, "value": spec.checkpoint_dir})
+    ours = {e["name"] for e in trainer_env}
     trainer_env += [{"name": k, "value": v} for k, v in sorted({**spec.env, **plan.env}.items())
-                    if k not in {e["name"] for e in trainer_env}]
+                    if k not in ours]
     trainer: dict[str, Any] = {
         "name": TRAINER_NAME,
         "image": spec.image,

@@ -39,9 +39,30 @@ def selector(labels: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-def _matches(obj: Any, labels: Mapping[str, str]) -> bool:
+def matches(obj: Any, labels: Mapping[str, str]) -> bool:
+    """Whether an object (a client model) carries every one of `labels`."""
     have = (obj.metadata.labels or {}) if obj.metadata is not None else {}
     return all(have.get(k) == v for k, v in labels.items())
+
+
+def labelled_pods(core: Any, namespace: str, labels: Mapping[str, str]) -> list[Any]:
+    """The pods of `namespace` carrying `labels`: asked of the API server with a selector and
+    filtered again here (not every server applies one)."""
+    found = core.list_namespaced_pod(namespace, label_selector=selector(labels))
+    return [p for p in found.items if matches(p, labels)]
+
+
+def delete_pod(core: Any, namespace: str, name: str, grace_s: float | None = None) -> None:
+    """Delete a pod; one that is gone already is what was wanted."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        core.delete_namespaced_pod(
+            name, namespace,
+            grace_period_seconds=None if grace_s is None else max(0, round(grace_s)))
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
 
 
 def _exit_code(terminated: Any) -> int:
@@ -99,22 +120,14 @@ class KubernetesOrchestrator:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _pods(self, labels: Mapping[str, str]) -> list[Any]:
-        found = self.core.list_namespaced_pod(self.namespace, label_selector=selector(labels))
-        return [p for p in found.items if _matches(p, labels)]
+        return labelled_pods(self.core, self.namespace, labels)
 
     def _attempt_pods(self, attempt: int) -> list[Any]:
         return self._pods({ko.LABEL_JOB: self.resource, ko.LABEL_ROLE: "rank",
                            ko.LABEL_ATTEMPT: str(attempt)})
 
     def _delete(self, pod: Any, grace_s: float) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            self.core.delete_namespaced_pod(pod.metadata.name, self.namespace,
-                                            grace_period_seconds=max(0, round(grace_s)))
-        except ApiException as exc:
-            if exc.status != 404:  # gone already is what we wanted
-                raise
+        delete_pod(self.core, self.namespace, pod.metadata.name, grace_s)
 
     def _say(self, type_: str, reason: str, message: str) -> None:
         if self._event is not None:

@@ -27,14 +27,20 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tracehound.controller import kubeobjects as ko
 from tracehound.controller.alerts import Alert
 from tracehound.controller.jobstate import read_history
-from tracehound.controller.kubeorch import KubernetesOrchestrator, selector
+from tracehound.controller.kubeorch import (
+    KubernetesOrchestrator,
+    delete_pod,
+    labelled_pods,
+    matches,
+    selector,
+)
 from tracehound.controller.supervisor import (
     Detached,
     JobSpec,
@@ -171,9 +177,7 @@ class KubeApi:
         nodeSelector (by name), then every node its history names (isolated ones too)."""
         found: list[Any] = self.core.list_node(
             label_selector=selector(spec.node_selector) or None).items
-        matching = [n for n in found
-                    if all((n.metadata.labels or {}).get(k) == v
-                           for k, v in spec.node_selector.items())]
+        matching = [n for n in found if matches(n, spec.node_selector)]
         schedulable: list[str] = sorted(n.metadata.name for n in matching
                              if not (n.spec is not None and n.spec.unschedulable))
         pool = schedulable[:spec.nodes + spec.spare_nodes]
@@ -239,8 +243,6 @@ class JobRunner:
             event=self.event)
         workdir = self.config.workdir / self.job
         settings = self.config.settings
-        from dataclasses import replace
-
         supervisor = Supervisor(
             spec=JobSpec(job=self.job, command=spec.command, nnodes=spec.nodes,
                          nproc_per_node=spec.procs_per_node, spare_nodes=spec.spare_nodes,
@@ -265,7 +267,7 @@ class _Sleeper:
     def __call__(self, seconds: float) -> None:
         if self.detached:
             return
-        if self.stopped.wait(max(seconds, 0.0)) or self.stopped.is_set():
+        if self.stopped.wait(max(seconds, 0.0)):  # kopf's waiter: truthy once stopped
             self.detached = True
             raise Detached("the operator is stopping")
 
@@ -359,17 +361,8 @@ def build_registry(config: OperatorConfig) -> Any:
         api, _store = shared()
         meta = body.get("metadata", {})
         name, namespace = meta["name"], meta.get("namespace") or "default"
-        labels = {ko.LABEL_JOB: name}
-        pods: list[Any] = api.core.list_namespaced_pod(
-            namespace, label_selector=selector(labels)).items
-        for pod in pods:
-            if (pod.metadata.labels or {}).get(ko.LABEL_JOB) != name:
-                continue
-            try:
-                api.core.delete_namespaced_pod(pod.metadata.name, namespace)
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
+        for pod in labelled_pods(api.core, namespace, {ko.LABEL_JOB: name}):
+            delete_pod(api.core, namespace, pod.metadata.name)
         try:
             api.core.delete_namespaced_service(ko.service_name(name), namespace)
         except ApiException as exc:
