@@ -25,6 +25,10 @@ majority is the culprit; Flight Recorder's own analyzer blames whichever side it
    majority still pending `hang_after_s` after the minority entered its call keeps that from
    reading as a shift.
 
+A vote among the members seen so far stands only if they hold a majority of the whole group
+(its size as the group was reported): the rows and heartbeats of the other members may not have
+arrived yet, and two of four members that disagree are no tie of two (`_partial`).
+
 A vote needs a majority. When the group has none (two members that disagree), its sibling
 groups decide (recorded collectives only): the other groups of the window with as many members
 at the same sequence id that agree among themselves (`Disagreement.peer_*`, the same program
@@ -95,7 +99,16 @@ def _describe(op: str, nbytes: int, dtype: str) -> str:
     return f"{op} of {nbytes} B {dtype}"
 
 
-def _from_disagreement(d: Disagreement, exempt: tuple[str, ...]) -> _Finding | None:
+def _partial(seen: int, top_n: int, tie: bool, size: int) -> bool:
+    """Whether a vote among the `seen` members whose calls are known so far cannot stand yet:
+    some of the group's `size` members are not seen (their rows or heartbeats have not arrived)
+    and those seen have no majority of the whole group. The missing members decide it later;
+    until then two of four members that disagree are not a tie between the two."""
+    return seen < size and (tie or 2 * top_n <= size)
+
+
+def _from_disagreement(d: Disagreement, exempt: tuple[str, ...],
+                       size: int = 0) -> _Finding | None:
     keys = [
         ("p2p" if is_p2p_op(op) else op, n, dt)
         for op, n, dt in zip(d.ops, d.nbytes, d.dtypes, strict=True)
@@ -110,6 +123,8 @@ def _from_disagreement(d: Disagreement, exempt: tuple[str, ...]) -> _Finding | N
     counts = Counter(keys)
     (top, top_n), *rest = counts.most_common()
     tie = bool(rest) and rest[0][1] == top_n
+    if _partial(len(keys), top_n, tie, size):
+        return None
     reference = (
         ("p2p" if is_p2p_op(d.peer_op) else d.peer_op, d.peer_nbytes, d.peer_dtype)
         if d.peer_groups >= MIN_SIBLING_VOTES else None
@@ -136,7 +151,8 @@ def _from_disagreement(d: Disagreement, exempt: tuple[str, ...]) -> _Finding | N
 
 
 def _from_pending_shapes(
-    group: str, seq: int, rows: Sequence[tuple[int, GroupProgress]], exempt: tuple[str, ...]
+    group: str, seq: int, rows: Sequence[tuple[int, GroupProgress]], exempt: tuple[str, ...],
+    size: int = 0,
 ) -> _Finding | None:
     """Members pending in one collective (one sequence id, one op) that pass different sizes or
     dtypes. Members that report no dtype have no say; sizes of exempt ops are not compared."""
@@ -150,6 +166,8 @@ def _from_pending_shapes(
         return None
     counts = Counter(keys).most_common()
     tie = counts[0][1] == counts[1][1]
+    if _partial(len(keys), counts[0][1], tie, size):
+        return None
     top = counts[0][0]
     culprits = tuple(sorted(r for (r, _), k in zip(known, keys, strict=True)
                             if tie or k != top))
@@ -186,12 +204,14 @@ def _from_pending(
     for seq, rows in sorted(by_seq.items()):
         ops = [("p2p" if is_p2p_op(g.pending_op) else g.pending_op) for _, g in rows]
         if len(set(ops)) < 2:
-            shape = _from_pending_shapes(group, seq, rows, exempt)
+            shape = _from_pending_shapes(group, seq, rows, exempt, members)
             if shape is not None:
                 findings.append(shape)
             continue
         counts = Counter(ops).most_common()
         tie = counts[0][1] == counts[1][1]
+        if _partial(len(rows), counts[0][1], tie, members):
+            continue
         top = counts[0][0]
         culprits = tuple(sorted(r for (r, _), op in zip(rows, ops, strict=True)
                                 if tie or op != top))
@@ -337,9 +357,12 @@ def _vote_confidence(lead: _Finding, minority: float) -> float:
 def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | None:
     """The ranks that differ from their group's majority (see the module docstring)."""
     exempt = settings.mismatch_size_exempt_ops
+    sizes: dict[str, int] = {}
+    for info in obs.snapshot.groups:
+        sizes.setdefault(info.group, len(info.ranks))
     findings = [
         f for d in obs.disagreements if not is_p2p_group(d.group)
-        if (f := _from_disagreement(d, exempt)) is not None
+        if (f := _from_disagreement(d, exempt, sizes.get(d.group, 0))) is not None
     ]
     findings += _pending_findings(obs, settings)
     if not findings:

@@ -86,6 +86,38 @@ def test_of_two_members_the_one_that_left_the_group_is_named_first() -> None:
     assert verdict.confidence == LIKELY
 
 
+def test_two_of_four_members_that_disagree_wait_for_the_other_two() -> None:
+    # The rows of ranks 0 and 3 have not reached the store yet: ranks 1 and 2 alone are no tie
+    # of a two-member group (which would name rank 1 first); the vote waits for the others.
+    world = {"0": [0, 1, 2, 3]}
+    partial = disagreement(["all_reduce", "broadcast"], group="0", ranks=[1, 2])
+    assert detect_mismatch(observe(snapshot(NOW, 4, members=world),
+                                   disagreements=(partial,)), SETTINGS) is None
+    whole = disagreement(["all_reduce", "all_reduce", "broadcast", "all_reduce"], group="0")
+    verdict = detect_mismatch(observe(snapshot(NOW, 4, members=world), disagreements=(whole,)),
+                              SETTINGS)
+    assert verdict is not None and verdict.culprit_ranks == (2,)
+    # three of four seen, two against one: the unseen member cannot turn it, a majority of four
+    # needs three
+    three = disagreement(["all_reduce", "broadcast", "all_reduce"], group="0", ranks=[0, 2, 3])
+    assert detect_mismatch(observe(snapshot(NOW, 4, members=world), disagreements=(three,)),
+                           SETTINGS) is None
+
+
+def test_pending_ops_seen_on_two_of_four_members_wait_for_the_other_two() -> None:
+    stuck = NOW - 8 * S
+    world = {"0": [0, 1, 2, 3]}
+    beats = [beat(0, NOW - S // 5, progress("0", 40, 39, enq_us=stuck)),
+             beat(1, NOW - S // 5, progress("0", 41, 40, enq_us=stuck)),
+             beat(2, NOW - S // 5, progress("0", 41, 40, enq_us=stuck, op="broadcast")),
+             beat(3, NOW - S // 5, progress("0", 40, 40, enq_us=stuck))]
+    assert detect_mismatch(observe(snapshot(NOW, 4, beats, members=world)), SETTINGS) is None
+    beats[0] = beat(0, NOW - S // 5, progress("0", 41, 40, enq_us=stuck))
+    beats[3] = beat(3, NOW - S // 5, progress("0", 41, 40, enq_us=stuck))
+    verdict = detect_mismatch(observe(snapshot(NOW, 4, beats, members=world)), SETTINGS)
+    assert verdict is not None and verdict.culprit_ranks == (2,)
+
+
 def test_pending_ops_that_differ_on_one_sequence_id_name_the_minority() -> None:
     # broadcast against all_reduce: everybody hangs on #41, nobody lags, nobody is silent.
     stuck = NOW - 8 * S
