@@ -36,9 +36,9 @@ from tracehound.controller.policy import PlannedAction
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.events import Action, ActionKind, Incident, JobPhase, JobState
 from tracehound.tracing.ids import JobId
+from tracehound.tracing.jobs import TERMINAL, latest_run
 from tracehound.tracing.store import HeldRecords, TraceStore
 
-TERMINAL = frozenset({JobPhase.FINISHED, JobPhase.FAILED})
 WATCHING = frozenset({JobPhase.RUNNING, JobPhase.SUSPECT, JobPhase.STALLED})
 """States in which an attempt runs and no action is under way."""
 ACTING = frozenset({JobPhase.DIAGNOSING, JobPhase.ISOLATING})
@@ -110,8 +110,7 @@ class History:
     def run(self) -> list[JobState]:
         """The states of the job's latest run: those after the last terminal state before the
         latest one."""
-        starts = [i + 1 for i, s in enumerate(self.states[:-1]) if s.state in TERMINAL]
-        return self.states[starts[-1] if starts else 0:]
+        return latest_run(self.states)
 
     @property
     def run_since_us(self) -> int:

@@ -13,9 +13,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from tracehound.controller.jobstate import TERMINAL, History, read_history
-from tracehound.tracing.events import ActionKind, Incident, JobPhase, JobState
+from tracehound.controller.jobstate import TERMINAL, read_history
+from tracehound.tracing.events import Incident, JobState
 from tracehound.tracing.ids import JobId
+from tracehound.tracing.jobs import open_incidents
 from tracehound.tracing.store import TraceStore
 
 EPILOG = """\
@@ -24,11 +25,6 @@ examples:
   tracehound status --job exp7 --json | jq .state
 exit status: 0 when the job has a stored state, 1 when the store knows no state of it.
 """
-
-_RESOLVING = {ActionKind.RESUMED}
-_ACTING = {ActionKind.STOP_JOB, ActionKind.ISOLATE_NODE, ActionKind.RESTART,
-           ActionKind.GIVE_UP}
-
 
 def incident_json(incident: Incident) -> dict[str, Any]:
     return {
@@ -50,23 +46,6 @@ def incident_json(incident: Incident) -> dict[str, Any]:
     }
 
 
-def open_incidents(history: History) -> list[Incident]:
-    """The current run's incidents that nothing has resolved: not followed by a resumed
-    attempt, and either acted on or about the attempt that runs now."""
-    latest = history.latest
-    if latest is None or latest.state is JobPhase.FINISHED:
-        return []
-    since = history.run_since_us
-    out = []
-    for incident in history.incidents:
-        kinds = {ActionKind(a.kind) for a in incident.actions}
-        if incident.detected_at_us < since or kinds & _RESOLVING:
-            continue
-        if kinds & _ACTING or incident.attempt == latest.attempt:
-            out.append(incident)
-    return out
-
-
 def job_status(store: TraceStore, job: JobId) -> dict[str, Any] | None:
     """The job's status as `--json` prints it; None when no state of it is stored."""
     history = read_history(store, job, [])
@@ -86,7 +65,8 @@ def job_status(store: TraceStore, job: JobId) -> dict[str, Any] | None:
         "nodes": list(latest.nodes),
         "isolated": list(latest.isolated),
         "incidents": len(history.incidents),
-        "open_incidents": [incident_json(i) for i in open_incidents(history)],
+        "open_incidents": [incident_json(i) for i in open_incidents(history.states,
+                                                                   history.incidents)],
         "states": [_state_json(s) for s in run[-20:]],
     }
 
