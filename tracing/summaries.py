@@ -69,6 +69,10 @@ negative values, never wrapped ones):
   the numpy reference and the node stored with the row in a store. At most MAX_BUCKETS buckets
   (ValueError beyond).
 
+The dashboard's views of one attempt, `ProgressGrid` (ranks x recent seqs of one group) and
+`LatenessSeries` (the worst ranks' arrival lateness over time), are defined in their docstrings;
+the stores compute them in SQL and nothing else does.
+
 This module holds the summaries' data and definitions, and the numpy helpers the stores share
 with the reference; it never queries a store.
 """
@@ -254,6 +258,117 @@ class NodeWindows:
     """[buckets, nodes, len(FEATURES)], NaN where a node had no rows in a window."""
 
     FEATURES = ("lateness_mean_us", "last_fraction", "wait_mean_us")
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressCell:
+    """One cell of a progress grid: the rows of one bucket of ranks at one seq of the group."""
+
+    bucket: int
+    """The first rank of the bucket (a multiple of the grid's width)."""
+    seq: int
+    ranks: int
+    """Rows in the cell (one per rank of the bucket that recorded this seq)."""
+    failed: int
+    """Rows of the cell whose state is failed."""
+    late_max_us: int
+    """Max over the cell's rows of enqueue_us minus the earliest enqueue_us of this (group,
+    seq) over all its ranks."""
+    late_mean_us: float
+    """Mean of the same over the cell's rows."""
+    op: str
+    """The op of the cell's rows (the smallest by code point when they disagree)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketProgress:
+    """How far the ranks of one bucket got in a group, from each rank's latest heartbeat of the
+    attempt that reports the group."""
+
+    bucket: int
+    """The first rank of the bucket (a multiple of the grid's width)."""
+    ranks: int
+    """Ranks of the bucket that sent a heartbeat reporting the group."""
+    min_completed: int
+    """Lowest last_completed among them."""
+    max_completed: int
+    """Highest last_completed among them."""
+    max_enqueued: int
+    """Highest last_enqueued among them."""
+    pending: int
+    """Ranks among them whose heartbeat shows last_enqueued > last_completed (waiting in an op
+    of the group)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressGrid:
+    """A ranks x recent sequence ids grid of one process group of an attempt
+    (`TraceStore.progress_grid`), aggregated in the store.
+
+    Ranks are bucketed by global rank: width = max(1, ceil((max_rank + 1) / rank_buckets)),
+    max_rank being the highest rank among the group's collective rows of the attempt and the
+    ranks whose heartbeats report the group; a rank's bucket is rank // width * width. The seqs
+    are [seq_lo, seq_hi]: seq_hi is the group's highest stored seq of the attempt, seq_lo =
+    max(seq_hi - last_seqs + 1, the group's lowest stored seq). Collective rows are stored when
+    an op ends (completed or failed), so a pending op is seen in `buckets`, not in `cells`.
+    With no collective row of the group, seq_lo = seq_hi = 0 and `cells` is empty; with no
+    heartbeat reporting it, `buckets` is empty."""
+
+    group: str
+    width: int
+    """Ranks per bucket."""
+    seq_lo: int
+    seq_hi: int
+    cells: tuple[ProgressCell, ...]
+    """Cells with at least one row, ordered by bucket then seq."""
+    buckets: tuple[BucketProgress, ...]
+    """Buckets with at least one rank reporting the group, ordered by bucket."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LatenessSeries:
+    """Per-rank arrival lateness over time, for a stragglers view
+    (`TraceStore.lateness_series`).
+
+    Rows: the collective rows (peer = -1, so no send/recv) of the window start_us <= enqueue_us
+    < end_us of one job and attempt, completed or failed. A row's lateness = its enqueue_us minus
+    the earliest enqueue_us of its (group, seq) among those rows (0 for the first to arrive).
+    Time buckets of `width_us` from `start_us` by enqueue_us; a bucket is named by its start,
+    start_us + k * width_us. The top ranks are the `top` ranks with the highest mean lateness
+    over the whole window (ties: lower rank first)."""
+
+    start_us: int
+    width_us: int
+    top_rank: I64
+    """The top ranks, highest mean lateness first."""
+    top_node: npt.NDArray[np.str_]
+    """Each top rank's node."""
+    top_mean_us: F64
+    """Each top rank's mean lateness over the window."""
+    top_n: I64
+    """Each top rank's rows in the window."""
+    bucket_us: I64
+    """Per (bucket, top rank) with rows, ordered by bucket then rank: the bucket's start..."""
+    rank: I64
+    """...the rank..."""
+    mean_us: F64
+    """...its mean lateness in the bucket..."""
+    max_us: I64
+    """...its max lateness in the bucket..."""
+    n: I64
+    """...and its rows in the bucket."""
+    typical_bucket_us: I64
+    """Per bucket with rows (of any rank), ordered: the bucket's start..."""
+    typical_us: F64
+    """...the upper median lateness of all its rows (sorted[n // 2], ClickHouse's
+    quantileExact(0.5)): what a typical rank's lateness was, to draw the top ranks against..."""
+    typical_n: I64
+    """...and its rows."""
+
+    def series(self, rank: int) -> tuple[I64, F64, I64]:
+        """(bucket starts, mean lateness, max lateness) of one of the top ranks."""
+        mine = self.rank == rank
+        return self.bucket_us[mine], self.mean_us[mine], self.max_us[mine]
 
 
 # --- shared by the stores and the numpy reference ---------------------------------------------

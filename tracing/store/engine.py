@@ -52,13 +52,17 @@ from tracehound.tracing.store.schema import (
 )
 from tracehound.tracing.store.sql import Param, Params
 from tracehound.tracing.summaries import (
+    BucketProgress,
     ClockCorrection,
     ClockSamples,
     CollectiveColumns,
     Disagreement,
     Disagreements,
+    LatenessSeries,
     LinkStats,
     NodeWindows,
+    ProgressCell,
+    ProgressGrid,
     RankStats,
 )
 
@@ -427,6 +431,86 @@ class SqlTraceStore(abc.ABC):
             nodes=tuple(nodes),
             window_start_us=start_us + np.arange(buckets, dtype=np.int64) * window_us,
             features=features,
+        )
+
+    def progress_grid(self, job: JobId, attempt: int, group: str, *, last_seqs: int = 64,
+                      rank_buckets: int = 256) -> ProgressGrid:
+        if last_seqs < 1:
+            raise ValueError(f"last_seqs: expected at least 1 sequence id, got {last_seqs}")
+        if rank_buckets < 1:
+            raise ValueError(f"rank_buckets: expected at least 1 bucket, got {rank_buckets}")
+        params: dict[str, Param] = {**q.UI_CONSTANTS, "job": job, "attempt": attempt,
+                                    "group": group}
+        ((rows, seq_min, seq_max, rank_max),) = self._query(
+            self._sql(q.SQL_PROGRESS_EXTENT), params)
+        ((beats, beat_rank_max),) = self._query(
+            self._sql(q.SQL_PROGRESS_HEARTBEAT_RANKS), params)
+        if not int(rows) and not int(beats):
+            return ProgressGrid(group=group, width=1, seq_lo=0, seq_hi=0, cells=(), buckets=())
+        top_rank = max(int(rank_max) if int(rows) else 0, int(beat_rank_max) if int(beats) else 0)
+        width = max(1, -(-(top_rank + 1) // rank_buckets))
+        params["width"] = width
+        seq_lo = seq_hi = 0
+        cells: tuple[ProgressCell, ...] = ()
+        if int(rows):
+            seq_hi = int(seq_max)
+            seq_lo = max(seq_hi - last_seqs + 1, int(seq_min))
+            params.update(seq_lo=seq_lo, seq_hi=seq_hi)
+            cells = tuple(
+                ProgressCell(bucket=int(bucket), seq=int(seq), ranks=int(n), failed=int(failed),
+                             late_max_us=int(late_max), late_mean_us=float(late_mean),
+                             op=str(op))
+                for bucket, seq, n, failed, late_max, late_mean, op
+                in self._query(self._sql(q.SQL_PROGRESS_CELLS), params)
+            )
+        buckets: tuple[BucketProgress, ...] = ()
+        if int(beats):
+            buckets = tuple(
+                BucketProgress(bucket=int(bucket), ranks=int(n), min_completed=int(low),
+                               max_completed=int(high), max_enqueued=int(entered),
+                               pending=int(pending))
+                for bucket, n, low, high, entered, pending
+                in self._query(self._sql(q.SQL_PROGRESS_BUCKETS), params)
+            )
+        return ProgressGrid(group=group, width=width, seq_lo=seq_lo, seq_hi=seq_hi, cells=cells,
+                            buckets=buckets)
+
+    def lateness_series(self, job: JobId, attempt: int, start_us: int, end_us: int,
+                        width_us: int, *, top: int = 8) -> LatenessSeries:
+        if start_us >= end_us:
+            raise ValueError(f"start_us: expected before end_us ({end_us}), got {start_us}")
+        if width_us <= 0:
+            raise ValueError(f"width_us: expected a positive bucket width, got {width_us}")
+        if top < 1:
+            raise ValueError(f"top: expected at least 1 rank, got {top}")
+        summaries.bucket_count(start_us, end_us, width_us)
+        params: dict[str, Param] = {
+            **q.UI_CONSTANTS, "job": job, "attempt": attempt, "start_us": max(start_us, 0),
+            "end_us": max(end_us, 0), "origin_us": start_us, "width_us": width_us, "top": top,
+        }
+        ranks, nodes, means, counts = columns_of(
+            self._query(self._sql(q.SQL_LATENESS_TOP), params), 4)
+        series: list[Row] = []
+        if ranks:
+            params.update({f"rank_{i}": int(r) for i, r in enumerate(ranks)})
+            placeholders = ", ".join(f"{{rank_{i}:UInt32}}" for i in range(len(ranks)))
+            series = self._query(self._sql(q.SQL_LATENESS_SERIES, ranks=placeholders), params)
+        bucket, rank, mean, most, n = columns_of(series, 5)
+        typical = (self._query(self._sql(q.SQL_LATENESS_TYPICAL), params)
+                   if ranks else [])
+        typical_bucket, typical_us, typical_n = columns_of(typical, 3)
+        return LatenessSeries(
+            start_us=start_us, width_us=width_us,
+            top_rank=np.array(ranks, dtype=np.int64),
+            top_node=np.array([str(x) for x in nodes], dtype=np.str_),
+            top_mean_us=np.array(means, dtype=np.float64),
+            top_n=np.array(counts, dtype=np.int64),
+            bucket_us=np.array(bucket, dtype=np.int64), rank=np.array(rank, dtype=np.int64),
+            mean_us=np.array(mean, dtype=np.float64), max_us=np.array(most, dtype=np.int64),
+            n=np.array(n, dtype=np.int64),
+            typical_bucket_us=np.array(typical_bucket, dtype=np.int64),
+            typical_us=np.array(typical_us, dtype=np.float64),
+            typical_n=np.array(typical_n, dtype=np.int64),
         )
 
     def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:

@@ -47,8 +47,10 @@ if TYPE_CHECKING:  # numpy is imported by the adapters, not by the port
         ClockSamples,
         CollectiveColumns,
         Disagreements,
+        LatenessSeries,
         LinkStats,
         NodeWindows,
+        ProgressGrid,
         RankStats,
     )
 
@@ -151,6 +153,23 @@ class TraceStore(Protocol):
         clock: ClockCorrection | None = None,
     ) -> NodeWindows:
         """Per-node arrival features in consecutive windows of `window_us` from `start_us`."""
+        ...
+
+    def progress_grid(self, job: JobId, attempt: int, group: str, *, last_seqs: int = 64,
+                      rank_buckets: int = 256) -> ProgressGrid:
+        """The ranks x recent seqs grid of one process group of an attempt, aggregated by the
+        store (definitions: `tracing.summaries.ProgressGrid`): per (bucket of ranks, seq) of the
+        group's last `last_seqs` seqs the rows, failures and arrival lateness, and per bucket
+        the progress the ranks' latest heartbeats report, with at most `rank_buckets` buckets.
+        ValueError for last_seqs or rank_buckets below 1."""
+        ...
+
+    def lateness_series(self, job: JobId, attempt: int, start_us: int, end_us: int,
+                        width_us: int, *, top: int = 8) -> LatenessSeries:
+        """The `top` latest-arriving ranks of the window [start_us, end_us) and their arrival
+        lateness per time bucket of `width_us`, against the median lateness of all ranks per
+        bucket (definitions: `tracing.summaries.LatenessSeries`). ValueError unless
+        start_us < end_us, width_us > 0 (at most `summaries.MAX_BUCKETS` buckets) and top >= 1."""
         ...
 
     def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:

@@ -339,6 +339,123 @@ SUMMARY_CONSTANTS: dict[str, Param] = {
 }
 """The fixed values the summary queries compare with, bound like any other value."""
 
+# --- the dashboard's views (definitions: tracing/summaries.py ProgressGrid, LatenessSeries) ---
+# Every text reads one job and attempt through the plain tables (in cluster mode the Distributed
+# ones) and keeps the outermost query off them (FROM a subquery or a JOIN of subqueries), so no
+# subquery is ever sent to the shards inside another distributed one.
+
+SQL_PROGRESS_EXTENT = """
+SELECT count(), min(seq), max(seq), max(rank)
+FROM {db}.collectives
+WHERE job = {job:String} AND attempt = {attempt:UInt32} AND group_id = {group:String}
+"""
+"""The group's collective rows of the attempt: how many, the lowest and highest seq, the highest
+rank (the order key's prefix job, attempt, group_id picks the group's rows only)."""
+
+SQL_PROGRESS_HEARTBEAT_RANKS = """
+SELECT count(), max(rank)
+FROM {db}.heartbeats
+WHERE job = {job:String} AND attempt = {attempt:UInt32} AND has(group_ids, {group:String})
+"""
+"""The heartbeats of the attempt that report the group: how many, the highest rank."""
+
+# Per seq of [seq_lo, seq_hi] (the order key's range: job, attempt, group_id, seq) the first
+# arrival and the rows as parallel arrays, which ARRAY JOIN turns back into rows.
+SQL_PROGRESS_CELLS = """
+SELECT intDiv(rank, {width:UInt64}) * {width:UInt64} AS bucket, seq, count() AS ranks,
+       countIf(row_state = {failed:String}) AS failed, max(enqueue - first_us) AS late_max_us,
+       avg(enqueue - first_us) AS late_mean_us, min(row_op) AS op
+FROM (
+    SELECT seq, min(toInt64(enqueue_us)) AS first_us, groupArray(rank) AS members,
+           groupArray(toInt64(enqueue_us)) AS enqueues, groupArray(state) AS states,
+           groupArray(op) AS ops
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32} AND group_id = {group:String}
+      AND seq >= {seq_lo:UInt64} AND seq <= {seq_hi:UInt64}
+    GROUP BY seq
+)
+ARRAY JOIN members AS rank, enqueues AS enqueue, states AS row_state, ops AS row_op
+GROUP BY bucket, seq
+ORDER BY bucket, seq
+"""
+
+# Per rank its progress in the group from its latest heartbeat reporting the group (argMax by
+# time), then per bucket of ranks.
+SQL_PROGRESS_BUCKETS = """
+SELECT intDiv(rank, {width:UInt64}) * {width:UInt64} AS bucket, count() AS ranks,
+       min(completed) AS min_completed, max(completed) AS max_completed,
+       max(enqueued) AS max_enqueued, countIf(enqueued > completed) AS pending
+FROM (
+    SELECT rank,
+           argMax(group_last_enqueued[indexOf(group_ids, {group:String})], time_us) AS enqueued,
+           argMax(group_last_completed[indexOf(group_ids, {group:String})], time_us)
+               AS completed
+    FROM {db}.heartbeats
+    WHERE job = {job:String} AND attempt = {attempt:UInt32} AND has(group_ids, {group:String})
+    GROUP BY rank
+)
+GROUP BY bucket
+ORDER BY bucket
+"""
+
+# LATENESS: the window's collective rows (peer = -1), each JOINed with the first arrival of its
+# (group, seq) among them; `<ranks>` narrows the rows (not the first arrivals) to some ranks.
+# ALL, not ANY: the right side has one row per key, and chdb's ANY INNER JOIN would match each
+# right row with one left row only.
+_LATENESS_ROWS = """(
+    SELECT rank, node, group_id, seq, toInt64(enqueue_us) AS enqueue
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND peer = {collective_peer:Int32} <ranks>
+) AS arrivals
+ALL INNER JOIN (
+    SELECT group_id, seq, min(toInt64(enqueue_us)) AS first_us
+    FROM {db}.collectives
+    WHERE job = {job:String} AND attempt = {attempt:UInt32}
+      AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
+      AND peer = {collective_peer:Int32}
+    GROUP BY group_id, seq
+) AS firsts USING (group_id, seq)"""
+
+SQL_LATENESS_TOP = """
+SELECT rank, min(node) AS rank_node, avg(enqueue - first_us) AS mean_us, count() AS n
+FROM """ + _LATENESS_ROWS.replace("<ranks>", "") + """
+GROUP BY rank
+ORDER BY mean_us DESC, rank
+LIMIT {top:UInt64}
+"""
+
+# `{ranks}` becomes one `{rank_<i>:UInt32}` placeholder per top rank.
+SQL_LATENESS_SERIES = """
+SELECT {origin_us:Int64}
+           + intDiv(enqueue - {origin_us:Int64}, {width_us:Int64}) * {width_us:Int64} AS bucket_us,
+       rank, avg(enqueue - first_us) AS mean_us, max(enqueue - first_us) AS max_us, count() AS n
+FROM """ + _LATENESS_ROWS.replace("<ranks>", "AND rank IN ({ranks})") + """
+GROUP BY bucket_us, rank
+ORDER BY bucket_us, rank
+"""
+
+SQL_LATENESS_TYPICAL = """
+SELECT {origin_us:Int64}
+           + intDiv(enqueue - {origin_us:Int64}, {width_us:Int64}) * {width_us:Int64} AS bucket_us,
+       quantileExact(0.5)(enqueue - first_us) AS typical_us, count() AS n
+FROM """ + _LATENESS_ROWS.replace("<ranks>", "") + """
+GROUP BY bucket_us
+ORDER BY bucket_us
+"""
+
+UI_QUERIES = (SQL_PROGRESS_EXTENT, SQL_PROGRESS_HEARTBEAT_RANKS, SQL_PROGRESS_CELLS,
+              SQL_PROGRESS_BUCKETS, SQL_LATENESS_TOP, SQL_LATENESS_SERIES, SQL_LATENESS_TYPICAL)
+"""The dashboard's view texts (the schema tests check them for the portable subset)."""
+
+UI_CONSTANTS: dict[str, Param] = {
+    "failed": CollectiveState.FAILED.value,
+    "collective_peer": -1,
+}
+"""The fixed values the view queries compare with, bound like any other value."""
+
+
 SQL_TABLE_COLUMNS = """
 SELECT name FROM system.columns WHERE database = {database:String} AND table = {table:String}
 """
