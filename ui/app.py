@@ -1,0 +1,42 @@
+"""The incident dashboard: a Streamlit script, served by `tracehound ui` (`streamlit run` on this
+file). It reads the store named by `--store URL` after the script's `--`, else $TRACEHOUND_STORE,
+else the embedded default; it never writes to it.
+
+Views (`?view=` in the address, so an alert or a colleague can link to one):
+jobs, incident (`&job=J&incident=ID`), progress, stragglers, health. The sidebar picks the job,
+the time range and the nodes, and refreshes a running job's view every `--refresh` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import streamlit as st
+
+from tracehound.ui import views
+from tracehound.ui.store import shared_store
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tracehound ui (app)", add_help=False)
+    parser.add_argument("--store", default=None)
+    parser.add_argument("--refresh", type=float, default=5.0)
+    known, _ = parser.parse_known_args(argv)
+    return known
+
+
+def main() -> None:
+    st.set_page_config(page_title="Tracehound", layout="wide")
+    args = _args(sys.argv[1:])
+    opened = shared_store(args.store)
+    if opened.error is not None:
+        st.title("Tracehound")
+        st.error("The trace store cannot be opened.")
+        st.text(opened.error)
+        return
+    assert opened.store is not None
+    views.render(opened.store, refresh_s=max(args.refresh, 1.0))
+
+
+main()

@@ -1,0 +1,393 @@
+"""What the dashboard shows, shaped from store records into rows and frames. No Streamlit here:
+every view's content is computed by these functions, which the tests call directly too.
+
+Nothing read from the store is markup: the views show stored text only through tables,
+`st.text` and `st.code`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from tracehound.tracing.events import (
+    ActionKind,
+    HealthSample,
+    Heartbeat,
+    Incident,
+    JobPhase,
+    JobState,
+)
+from tracehound.tracing.jobs import TERMINAL, latest_run, open_incidents, training_time
+from tracehound.tracing.summaries import LatenessSeries, LinkStats, ProgressCell, ProgressGrid
+
+US = 1_000_000
+
+def when(us: int) -> str:
+    """A time in UTC to the millisecond ("" for 0)."""
+    if us <= 0:
+        return ""
+    stamp = dt.datetime.fromtimestamp(us / US, tz=dt.UTC)
+    return stamp.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+# ----------------------------------------------------------------------------------------- jobs
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    job: str
+    state: str
+    attempt: int | None
+    restarts: int
+    isolated: tuple[str, ...]
+    open_incidents: int
+    incidents: int
+    training_ratio: float | None
+    since_us: int
+    ended: bool
+
+
+def job_row(job: str, states: Sequence[JobState], incidents: Sequence[Incident],
+            now_us: int) -> JobRow:
+    """A job's line in the jobs table. A job without stored states (simulated traces, a trace
+    file loaded into the store) has no state and no training time."""
+    run = latest_run(states)
+    latest = run[-1] if run else None
+    return JobRow(
+        job=job,
+        state=latest.state.value if latest else "no controller state",
+        attempt=latest.attempt if latest else None,
+        restarts=sum(1 for s in run if s.state is JobPhase.RESTARTING),
+        isolated=latest.isolated if latest else (),
+        open_incidents=len(open_incidents(states, incidents)),
+        incidents=len(incidents),
+        training_ratio=training_time(states, now_us).ratio,
+        since_us=latest.time_us if latest else 0,
+        ended=bool(latest and latest.state in TERMINAL),
+    )
+
+
+def jobs_frame(rows: Iterable[JobRow]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [{
+            "job": r.job, "state": r.state,
+            "attempt": r.attempt if r.attempt is not None else pd.NA,
+            "restarts": r.restarts, "isolated nodes": ", ".join(r.isolated),
+            "open incidents": r.open_incidents, "incidents": r.incidents,
+            "training time": (f"{100 * r.training_ratio:.1f} %"
+                              if r.training_ratio is not None else ""),
+            "since": when(r.since_us),
+        } for r in rows],
+        columns=["job", "state", "attempt", "restarts", "isolated nodes", "open incidents",
+                 "incidents", "training time", "since"],
+    )
+
+
+# ------------------------------------------------------------------------------------ incidents
+
+def verdict_of(incident: Incident) -> dict[str, Any]:
+    """The incident's stored verdict as a dict ({} when it is missing or unreadable)."""
+    try:
+        verdict = json.loads(incident.verdict_json) if incident.verdict_json else {}
+    except ValueError:
+        return {}
+    return verdict if isinstance(verdict, dict) else {}
+
+
+def incident_label(incident: Incident) -> str:
+    culprits = ", ".join(str(r) for r in incident.culprit_ranks[:4])
+    more = "..." if len(incident.culprit_ranks) > 4 else ""
+    return (f"{when(incident.detected_at_us)}  {incident.kind}  rank {culprits}{more}  "
+            f"({incident.incident_id})")
+
+
+def incident_line(incident: Incident) -> str:
+    """One line: when, what, the culprit ranks and nodes, and how sure."""
+    ranks = ", ".join(str(r) for r in incident.culprit_ranks[:8])
+    nodes = ", ".join(incident.culprit_nodes[:4])
+    more = "..." if len(incident.culprit_ranks) > 8 or len(incident.culprit_nodes) > 4 else ""
+    return (f"{when(incident.detected_at_us)} {incident.kind}: rank {ranks} on {nodes}{more} "
+            f"(confidence {incident.confidence:.2f})")
+
+
+def evidence_frame(verdict: Mapping[str, Any], *, facts: Iterable[str] | None = None,
+                   exclude: Iterable[str] = ()) -> pd.DataFrame:
+    """The verdict's evidence, one row per piece, optionally only some facts."""
+    keep = set(facts) if facts is not None else None
+    drop = set(exclude)
+    rows = []
+    for e in verdict.get("evidence") or ():
+        if not isinstance(e, Mapping):
+            continue
+        fact = str(e.get("fact", ""))
+        if (keep is not None and fact not in keep) or fact in drop:
+            continue
+        rows.append({"fact": fact, "rank": e.get("rank"), "node": str(e.get("node", "")),
+                     "group": str(e.get("group", "")), "seq": e.get("seq") or None,
+                     "value": e.get("value"), "detail": str(e.get("detail", ""))})
+    return pd.DataFrame(rows, columns=["fact", "rank", "node", "group", "seq", "value",
+                                       "detail"])
+
+
+STEPS: dict[ActionKind | None, str] = {
+    ActionKind.STOP_JOB: "decide: stop",
+    ActionKind.OBSERVE: "decide: observe",
+    ActionKind.ISOLATE_NODE: "isolate",
+    ActionKind.RESTART: "restart",
+    ActionKind.RESUMED: "resumed",
+    ActionKind.GIVE_UP: "give up",
+}
+
+
+def _action_kind(kind: str) -> ActionKind | None:
+    try:
+        return ActionKind(kind)
+    except ValueError:  # a newer kind than this code knows
+        return None
+
+
+def timeline_frame(incident: Incident) -> pd.DataFrame:
+    """detect -> decide -> isolate -> restart -> resumed (or give up), with the time of each step
+    after the detection; alerts are listed apart (`alerts_frame`)."""
+    rows = [{"step": "detect", "at": when(incident.detected_at_us), "after (s)": 0.0,
+             "target": ", ".join(incident.culprit_nodes), "ok": True,
+             "detail": incident.summary, "rule": ""}]
+    for a in sorted(incident.actions, key=lambda a: a.time_us):
+        kind = str(a.kind)
+        if kind == "alert":
+            continue
+        step = STEPS.get(_action_kind(kind), kind)
+        rows.append({"step": step, "at": when(a.time_us),
+                     "after (s)": round((a.time_us - incident.detected_at_us) / US, 3),
+                     "target": a.target, "ok": a.ok, "detail": a.detail, "rule": a.rule})
+    return pd.DataFrame(rows, columns=["step", "at", "after (s)", "target", "ok", "detail",
+                                       "rule"])
+
+
+def alerts_frame(incident: Incident) -> pd.DataFrame:
+    rows = [{"receiver": a.target, "at": when(a.time_us), "delivered": a.ok, "detail": a.detail}
+            for a in sorted(incident.actions, key=lambda a: a.time_us) if str(a.kind) == "alert"]
+    return pd.DataFrame(rows, columns=["receiver", "at", "delivered", "detail"])
+
+
+# ------------------------------------------------------------------------------------- progress
+
+STATUSES = ("completed", "late", "failed", "completed, not recorded", "waiting", "not entered",
+            "no record")
+"""Cell statuses of the progress view, in legend order."""
+COLOURS = ("#4c9a5f", "#e8a33d", "#b22222", "#a6cfa9", "#d95f5f", "#5a5a5a", "#dddddd")
+
+LATE_MIN_US = 5_000
+"""A cell is late only if its ranks arrived at least this long after the first rank."""
+LATE_FACTOR = 3.0
+"""... and later than this many times the typical cell of its sequence id."""
+
+
+def progress_frame(grid: ProgressGrid, culprits: Iterable[int] = ()) -> pd.DataFrame:
+    """One row per (rank bucket, sequence id) of the grid's window (`seq_window`) with its
+    status:
+
+    - recorded by every rank of the bucket (or by those reporting it completed): `failed`,
+      `late` (arrival lateness well above the sequence id's typical cell), `completed`. Rows
+      outrank heartbeats, which can be older than the rows (a rank frozen just after a flush);
+    - else from the bucket's ranks' latest heartbeats: a call no rank of the bucket entered is
+      `not entered`; one not completed by every rank is `waiting` (a hang's wavefront: the
+      culprit's bucket stops a column before its peers); completed but not recorded (dropped,
+      or not stored yet) is `completed, not recorded`;
+    - without rows or heartbeats, `no record`.
+
+    `culprit` marks the buckets that hold a culprit rank."""
+    width = max(grid.width, 1)
+    culprit_buckets = {(r // width) * width for r in culprits}
+    cells = {(c.bucket, c.seq): c for c in grid.cells}
+    beats = {b.bucket: b for b in grid.buckets}
+    buckets = sorted({b for b, _ in cells} | set(beats))
+    seq_lo, seq_hi = seq_window(grid)
+    typical: dict[int, float] = {}
+    for seq in range(seq_lo, seq_hi + 1):
+        lates = sorted(c.late_mean_us for (_, s), c in cells.items() if s == seq)
+        typical[seq] = lates[len(lates) // 2] if lates else 0.0
+    rows = []
+    for bucket in buckets:
+        beat = beats.get(bucket)
+        for seq in range(seq_lo, seq_hi + 1):
+            cell = cells.get((bucket, seq))
+            whole = cell is not None and (beat is None or cell.ranks >= beat.ranks
+                                          or seq <= beat.min_completed)
+            if cell is not None and whole:
+                status = _recorded_status(cell, typical[seq])
+            elif beat is not None and cell is None and seq > beat.max_enqueued:
+                status = "not entered"
+            elif beat is not None and seq > beat.min_completed:
+                status = "waiting"
+            elif beat is not None:
+                status = "completed, not recorded"
+            else:
+                status = "no record"
+            rows.append({
+                "ranks": f"{bucket}-{bucket + width - 1}" if width > 1 else str(bucket),
+                "bucket": bucket, "seq": seq, "status": status,
+                "op": cell.op if cell else "",
+                "recorded": cell.ranks if cell else 0,
+                "late max (ms)": round(cell.late_max_us / 1000, 3) if cell else math.nan,
+                "culprit": bucket in culprit_buckets,
+            })
+    return pd.DataFrame(rows, columns=["ranks", "bucket", "seq", "status", "op", "recorded",
+                                       "late max (ms)", "culprit"])
+
+
+def _recorded_status(cell: ProgressCell, typical_us: float) -> str:
+    if cell.failed:
+        return "failed"
+    if cell.late_mean_us >= max(LATE_MIN_US, LATE_FACTOR * typical_us):
+        return "late"
+    return "completed"
+
+
+def seq_window(grid: ProgressGrid) -> tuple[int, int]:
+    """The grid's sequence ids, moved on to the newest call a rank has entered (collectives are
+    recorded when they end, so the call a hang waits in is known only from heartbeats), as many
+    as the grid holds."""
+    entered = max((b.max_enqueued for b in grid.buckets), default=0)
+    if entered <= grid.seq_hi:
+        return grid.seq_lo, grid.seq_hi
+    return max(1, entered - (grid.seq_hi - grid.seq_lo)), entered
+
+
+def behind_frame(grid: ProgressGrid, limit: int = 10) -> pd.DataFrame:
+    """The buckets furthest behind in the group: lowest completed sequence id first."""
+    width = max(grid.width, 1)
+    rows = sorted(grid.buckets, key=lambda b: (b.min_completed, b.bucket))[:limit]
+    return pd.DataFrame(
+        [{"ranks": f"{b.bucket}-{b.bucket + width - 1}" if width > 1 else str(b.bucket),
+          "lowest completed": b.min_completed, "highest entered": b.max_enqueued,
+          "ranks pending": b.pending, "ranks reporting": b.ranks} for b in rows],
+        columns=["ranks", "lowest completed", "highest entered", "ranks pending",
+                 "ranks reporting"],
+    )
+
+
+# --------------------------------------------------------------------------------- time ranges
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """The time a job's records cover."""
+
+    start_us: int
+    end_us: int
+
+
+RANGES = {"whole run": 0, "last 5 minutes": 300, "last 15 minutes": 900, "last hour": 3600,
+          "last day": 86_400}
+
+
+def job_span(states: Sequence[JobState], incidents: Sequence[Incident],
+             beats: Sequence[Heartbeat], now_us: int) -> Span:
+    """From the latest run's first state (or the earliest first step a rank reported, or the
+    first incident) to its terminal state (or now while it runs; the newest record for a job
+    without states)."""
+    run = latest_run(states)
+    if run:
+        end = run[-1].time_us if run[-1].state in TERMINAL else now_us
+        return Span(run[0].time_us, max(end, run[0].time_us + 1))
+    times = [b.first_step_us for b in beats if b.first_step_us] + [
+        i.detected_at_us for i in incidents]
+    ends = [b.time_us for b in beats] + [i.detected_at_us for i in incidents]
+    if not times:
+        return Span(now_us - 3600 * US, now_us)
+    return Span(min(times) - 60 * US, max(ends) + 60 * US)
+
+
+def window(span: Span, choice: str) -> Span:
+    """The part of `span` a time-range choice selects (the last N seconds of it)."""
+    seconds = RANGES.get(choice, 0)
+    if not seconds:
+        return span
+    return Span(max(span.start_us, span.end_us - seconds * US), span.end_us)
+
+
+def bucket_width_us(span: Span, buckets: int = 60) -> int:
+    """A round bucket width that cuts `span` into about `buckets` pieces."""
+    raw = max((span.end_us - span.start_us) // max(buckets, 1), 1)
+    for step in (100_000, 250_000, 500_000, 1_000_000, 2_000_000, 5_000_000, 10_000_000,
+                 30_000_000, 60_000_000, 300_000_000, 600_000_000, 3_600_000_000):
+        if raw <= step:
+            return step
+    return int(raw)
+
+
+# ------------------------------------------------------------------------- stragglers, links
+
+def lateness_frame(series: LatenessSeries) -> pd.DataFrame:
+    """The top ranks' mean lateness per time bucket, and the typical (median) rank's."""
+    nodes = {int(r): str(n) for r, n in zip(series.top_rank, series.top_node, strict=True)}
+    rows = [{"time": pd.Timestamp(int(b), unit="us", tz="UTC"), "rank": f"rank {int(r)}",
+             "node": nodes.get(int(r), ""), "kind": "rank",
+             "lateness (ms)": round(float(m) / 1000, 3), "collectives": int(n)}
+            for b, r, m, n in zip(series.bucket_us, series.rank, series.mean_us, series.n,
+                                  strict=True)]
+    rows += [{"time": pd.Timestamp(int(b), unit="us", tz="UTC"), "rank": "typical",
+              "node": "", "kind": "typical (median)",
+              "lateness (ms)": round(float(t) / 1000, 3), "collectives": int(n)}
+             for b, t, n in zip(series.typical_bucket_us, series.typical_us, series.typical_n,
+                                strict=True)]
+    return pd.DataFrame(rows, columns=["time", "rank", "node", "kind", "lateness (ms)",
+                                       "collectives"])
+
+
+def late_ranks_frame(series: LatenessSeries, culprits: Iterable[int] = ()) -> pd.DataFrame:
+    blamed = set(culprits)
+    return pd.DataFrame(
+        [{"rank": int(r), "node": str(n), "mean lateness (ms)": round(float(m) / 1000, 3),
+          "collectives": int(c), "culprit": int(r) in blamed}
+         for r, n, m, c in zip(series.top_rank, series.top_node, series.top_mean_us,
+                               series.top_n, strict=True)],
+        columns=["rank", "node", "mean lateness (ms)", "collectives", "culprit"],
+    )
+
+
+def links_frame(links: LinkStats) -> pd.DataFrame:
+    return pd.DataFrame(
+        {"src": links.src.astype(int), "dst": links.dst.astype(int),
+         "transfers": links.n.astype(int),
+         "mean (ms)": (links.transfer_mean_us / 1000).round(3),
+         "max (ms)": (links.transfer_max_us / 1000).round(3)},
+        columns=["src", "dst", "transfers", "mean (ms)", "max (ms)"],
+    )
+
+
+# ------------------------------------------------------------------------------------ health
+
+def job_nodes(run: Sequence[JobState], beats: Sequence[Heartbeat]) -> list[str]:
+    """The nodes of a job's latest run (its attempts' and the isolated ones), else those its
+    ranks reported from."""
+    nodes = {n for s in run for n in (*s.nodes, *s.isolated)}
+    if not nodes:
+        nodes = {str(b.node) for b in beats}
+    return sorted(nodes)
+
+
+def health_frame(samples: Sequence[HealthSample]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [{"time": pd.Timestamp(s.time_us, unit="us", tz="UTC"), "node": str(s.node),
+          "device": s.device, "series": f"{s.node} {s.device}", "metric": s.metric,
+          "value": s.value, "severity": str(s.severity), "source": s.source,
+          "detail": s.detail} for s in samples],
+        columns=["time", "node", "device", "series", "metric", "value", "severity", "source",
+                 "detail"],
+    )
+
+
+EVENT_SEVERITIES = ("warning", "critical")
+
+
+def health_events(frame: pd.DataFrame) -> pd.DataFrame:
+    """The samples that are events (warning or critical), oldest first."""
+    events = frame[frame["severity"].isin(EVENT_SEVERITIES)]
+    return events.drop(columns=["series"]).reset_index(drop=True)
