@@ -384,6 +384,20 @@ def health_frame(samples: Sequence[HealthSample]) -> pd.DataFrame:
     )
 
 
+PREFERRED_METRICS = ("temp", "util", "power", "memory", "ecc", "xid")
+"""The health view opens on the first metric whose name holds one of these, in this order."""
+
+
+def metric_order(metrics: Iterable[str]) -> list[str]:
+    """Metrics sorted by name, the most telling one first (`PREFERRED_METRICS`)."""
+    names = sorted(metrics)
+    for hint in PREFERRED_METRICS:
+        first = next((m for m in names if hint in m.lower()), None)
+        if first is not None:
+            return [first, *(m for m in names if m != first)]
+    return names
+
+
 EVENT_SEVERITIES = ("warning", "critical")
 
 

@@ -255,7 +255,7 @@ def _stragglers_view(store: TraceStore, job: str, states: Sequence[JobState],
             st.text(f"culprit ranks: {', '.join(str(r) for r in culprits[:8])}")
         st.altair_chart(
             alt.Chart(frame).mark_line(point=True).encode(
-                x=alt.X("time:T", title="time (UTC)"),
+                x=alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S")),
                 y=alt.Y("lateness (ms):Q"),
                 color=alt.Color("rank:N"),
                 strokeDash=alt.StrokeDash("kind:N"),
@@ -305,11 +305,12 @@ def _health_view(store: TraceStore, job: str, states: Sequence[JobState], choice
                 "and the host when nvidia-ml-py or a simulated device is available).")
         return
     frame = data.health_frame(samples)
-    metrics = sorted(set(frame["metric"]))
+    metrics = data.metric_order(set(frame["metric"]))
     metric = st.selectbox("Metric", metrics, key="metric")
     shown = frame[frame["metric"] == metric]
     line = alt.Chart(shown).mark_line().encode(
-        x=alt.X("time:T", title="time (UTC)"), y=alt.Y("value:Q", title=metric),
+        x=alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S")),
+        y=alt.Y("value:Q", title=metric),
         color=alt.Color("series:N"), tooltip=["node", "device", "time", "value", "severity"])
     events = data.health_events(frame)
     marks = alt.Chart(events).mark_rule(color="#b22222", strokeWidth=2).encode(
