@@ -221,6 +221,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"  training        {'finished' if report['completed'] else 'NOT finished'} at step "
         f"{report['final_step']} after {report['attempts']} attempt(s) ({report['reason']})",
         f"  store           {report['store']}  (tracehound incidents --job {report['job']})",
+        f"  dashboard       tracehound ui --store {report['store']}  (then open "
+        f"http://127.0.0.1:8501/?view=incident&job={report['job']})",
         f"  logs            {report['workdir']}/logs",
     ]
     return "\n".join(lines)
