@@ -25,7 +25,14 @@ outage of the receiver or a restart of the controller.
   the policy's maximum); any other answer below 200 or from 300 is final and the delivery moves
   to `failed/` with the reason. It runs from `deliver_once` (tests) or its own thread
   (`start`/`stop`), never raises out of that thread, and counts what it delivered, retried and
-  set aside (`counts`).
+  set aside (`counts`). Each delivery it settles (delivered, or set aside) is told to its
+  `on_settled` callback as a `Settled`; the callback's errors are logged and counted, never
+  raised into delivery.
+- `AlertRecorder` is such a callback: it records each settled delivery in the trace store as an
+  `alert` action of its incident (`alert_action`), so whoever reads an incident sees what was
+  said about it and to whom. It only queues in the dispatcher's thread; its own thread writes
+  through a `controller.journal` journal (the supervisor's path to the store: durable, retried
+  while the store is away, stored once).
 
 Errors, by what the caller can do about them:
 
@@ -53,6 +60,7 @@ import json
 import logging
 import math
 import os
+import queue
 import random
 import re
 import threading
@@ -67,9 +75,14 @@ from typing import IO, Any, Literal
 import msgspec
 import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
-from tracehound.controller.journal import fsync_dir, write_atomic
-from tracehound.tracing.events import Incident
+from tracehound.controller.journal import STORE_RETRY, Journal, fsync_dir, write_atomic
+from tracehound.controller.journal import Outbox as StoreOutbox
+from tracehound.tracing.errors import StoreError
+from tracehound.tracing.events import Action, ActionKind, Incident
+from tracehound.tracing.ids import JobId
+from tracehound.tracing.kinds import MAX_TEXT
 from tracehound.tracing.retry import Backoff, BackoffState
+from tracehound.tracing.store import TraceStore
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +198,48 @@ class DeliveryCounts(msgspec.Struct, frozen=True, kw_only=True):
     failed: int
     """Deliveries set aside for good (in `failed/`)."""
     pending: int
+    callback_errors: int = 0
+    """Settled deliveries whose `on_settled` call raised (logged; delivery went on)."""
+
+
+class Settled(msgspec.Struct, frozen=True, kw_only=True):
+    """What became of one delivery, told to a dispatcher's `on_settled` once it is delivered or
+    set aside for good (a try that will be made again settles nothing)."""
+
+    receiver: str
+    receiver_kind: str
+    """The receiver's kind; "" when it is no longer configured."""
+    job: str
+    incident_id: str
+    status: Status
+    ok: bool
+    """Delivered (the receiver answered 2xx); False: set aside in `failed/`."""
+    tries: int
+    """Requests this dispatcher made for it (one restarted counts afresh); 0 when it was set
+    aside without one (its receiver is no longer configured)."""
+    reason: str = ""
+    """Why it was set aside ("" when delivered)."""
+    at_us: int
+    """Wall-clock microseconds since the epoch when it settled."""
+
+    def describe(self) -> str:
+        """In words: `firing alert delivered to oncall (slack) after 1 try`, `resolved alert to
+        pager (pagerduty) set aside after 1 try: HTTP 400 from ...`."""
+        to = f"{self.receiver} ({self.receiver_kind})" if self.receiver_kind else self.receiver
+        tries = f"after {self.tries} {'try' if self.tries == 1 else 'tries'}"
+        if self.ok:
+            return f"{self.status} alert delivered to {to} {tries}"
+        if not self.tries:
+            return f"{self.status} alert to {to} set aside: {self.reason}"
+        return f"{self.status} alert to {to} set aside {tries}: {self.reason}"
+
+
+def alert_action(settled: Settled) -> Action:
+    """The `alert` action that records a settled delivery on its incident: the receiver is the
+    target, `ok` whether it was delivered, no policy rule."""
+    return Action(job=JobId(settled.job), incident_id=settled.incident_id,
+                  kind=ActionKind.ALERT, target=settled.receiver, time_us=settled.at_us,
+                  ok=settled.ok, detail=settled.describe()[:MAX_TEXT], rule="")
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -656,7 +711,13 @@ def _is_temporary(status: int) -> bool:
 class Dispatcher:
     """Sends an outbox's deliveries (see the module docstring). Drive it with `deliver_once`
     or run it in its own thread with `start`/`stop`, not both. Receivers are tried one after
-    another: one that does not answer delays the others by its `timeout_s` per try."""
+    another: one that does not answer delays the others by its `timeout_s` per try.
+
+    `on_settled` is told each delivery once it is delivered or set aside (after the outbox
+    recorded it), in the dispatcher's thread: it must return at once (`AlertRecorder` only
+    queues). What it raises is logged and counted (`counts().callback_errors`), never raised
+    into delivery. A pending file that cannot be read settles without it (nothing says what
+    it was)."""
 
     def __init__(
         self,
@@ -667,8 +728,11 @@ class Dispatcher:
         wall_clock: Callable[[], float] = time.time,
         rng: Callable[[], float] = random.random,
         idle_s: float = 1.0,
+        on_settled: Callable[[Settled], object] | None = None,
     ) -> None:
         self.outbox = outbox
+        self.on_settled = on_settled
+        """Told each settled delivery; may be set before `start` (the operator does)."""
         self.backoff = backoff
         self._clock = clock
         self._wall_clock = wall_clock
@@ -682,6 +746,9 @@ class Dispatcher:
         self._delivered = 0
         self._retries = 0
         self._failed = 0
+        self._callback_errors = 0
+        self._tries: dict[tuple[str, str], int] = {}
+        """(receiver, delivery key) -> requests made for a delivery not yet settled."""
         self._pass_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -694,7 +761,8 @@ class Dispatcher:
         with self._counts_lock:
             return DeliveryCounts(delivered=self._delivered, retries=self._retries,
                                   failed=self._failed + self.outbox.unreadable,
-                                  pending=self.outbox.pending_count())
+                                  pending=self.outbox.pending_count(),
+                                  callback_errors=self._callback_errors)
 
     def next_due(self, now: float | None = None) -> float | None:
         """Seconds until a pending delivery may be tried (0: now), None if nothing waits."""
@@ -737,6 +805,8 @@ class Dispatcher:
             if delivery is None:
                 break
             alert = delivery.alert
+            tried = (receiver.name, delivery.key)
+            self._tries[tried] = self._tries.get(tried, 0) + 1
             try:
                 self.send(receiver, alert)
             except TemporaryDeliveryError as exc:
@@ -754,6 +824,8 @@ class Dispatcher:
                     self._failed += 1
                 log.error("alert %s/%s (%s) refused by receiver %s, set aside in failed/: %s",
                           alert.job, alert.incident_id, alert.status, receiver.name, exc)
+                self._settled(delivery, receiver, ok=False, tries=self._tries.pop(tried),
+                              reason=str(exc))
             else:
                 self.outbox.mark_sent(delivery)
                 state.succeeded()
@@ -763,16 +835,39 @@ class Dispatcher:
                 delivered += 1
                 log.info("alert %s/%s (%s) delivered to receiver %s", alert.job,
                          alert.incident_id, alert.status, receiver.name)
+                self._settled(delivery, receiver, ok=True, tries=self._tries.pop(tried))
         return delivered
 
     def _set_aside_all(self, name: str) -> None:
         while (delivery := self.outbox.head(name)) is not None:
-            self.outbox.set_aside(delivery, f"receiver {name!r} is no longer configured")
+            reason = f"receiver {name!r} is no longer configured"
+            self.outbox.set_aside(delivery, reason)
             with self._counts_lock:
                 self._failed += 1
             log.error("alert %s/%s (%s) for receiver %s, no longer configured, set aside",
                       delivery.alert.job, delivery.alert.incident_id, delivery.alert.status,
                       name)
+            self._settled(delivery, None, ok=False,
+                          tries=self._tries.pop((name, delivery.key), 0), reason=reason)
+
+    def _settled(self, delivery: Delivery, receiver: Receiver | None, *, ok: bool, tries: int,
+                 reason: str = "") -> None:
+        """Tell `on_settled`; what it raises is logged and counted, never raised."""
+        callback = self.on_settled
+        if callback is None:
+            return
+        alert = delivery.alert
+        try:
+            callback(Settled(
+                receiver=delivery.receiver, receiver_kind=receiver.kind if receiver else "",
+                job=alert.job, incident_id=alert.incident_id, status=alert.status, ok=ok,
+                tries=tries, reason=reason, at_us=int(self._wall_clock() * 1e6)))
+        except Exception:
+            with self._counts_lock:
+                self._callback_errors += 1
+            log.exception("alert %s/%s (%s) to receiver %s: on_settled failed (delivery "
+                          "goes on)", alert.job, alert.incident_id, alert.status,
+                          delivery.receiver)
 
     def send(self, receiver: Receiver, alert: Alert) -> None:
         """POST `alert` to `receiver` once; DeliveryError unless it took it (a 2xx)."""
@@ -840,3 +935,123 @@ def _snippet(error: urllib.error.HTTPError) -> str:
         return ""
     return f": {text}" if text else ""
 
+
+
+# -- recording in the store -------------------------------------------------------------------
+
+ACTIONS_JOURNAL = "actions.jsonl"
+"""The recorder's journal, in the alert outbox's directory."""
+
+
+class AlertRecorder:
+    """Records each settled delivery in the store as an `alert` action of its incident (a
+    dispatcher's `on_settled`).
+
+    Calling it only queues (the dispatcher's thread never waits for the store); its own thread
+    (`start`/`stop`, or `record_pending` in tests) journals what was queued, fsync'd, and writes
+    the journal to the store the way the supervisor writes its actions (`controller.journal`):
+    in order, retried while the store is away, each action once. What is left when it stops
+    waits in the journal for the next recorder on the same file. A controller killed in the
+    instant between a delivery and its journaling loses that record (not the delivery).
+
+    `store` gives the store; it is called in the recorder's thread when first needed (the
+    operator opens its store lazily), and called again later if it raised a StoreError."""
+
+    def __init__(
+        self,
+        store: Callable[[], TraceStore],
+        journal_path: Path | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        idle_s: float = 0.5,
+    ) -> None:
+        self._open = store
+        self._clock = clock
+        self._idle_s = idle_s
+        self._journal = Journal(journal_path)
+        self._outbox: StoreOutbox | None = None
+        self._open_backoff = BackoffState(STORE_RETRY)
+        self._next_open = 0.0
+        self._queue: queue.SimpleQueue[Settled] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, settled: Settled) -> None:
+        self._queue.put(settled)
+        self._wake.set()
+
+    def pending(self) -> int:
+        """Actions not yet in the store (journaled or queued); not while the thread runs."""
+        return len(self._journal.pending()) + self._queue.qsize()
+
+    def record_pending(self) -> bool:
+        """Journal what was queued and write the journal to the store (unless the store's
+        retry wait is not over); whether nothing is left. Raises nothing the store raises."""
+        actions = []
+        while True:
+            try:
+                actions.append(alert_action(self._queue.get_nowait()))
+            except queue.Empty:
+                break
+        if actions:
+            self._journal.append(*actions)
+        outbox = self._store_outbox()
+        return outbox is not None and outbox.flush()
+
+    def _store_outbox(self) -> StoreOutbox | None:
+        """The journal's way to the store, once the store opens (tries spaced as the journal's
+        are while the store is away)."""
+        if self._outbox is None:
+            if self._clock() < self._next_open:
+                return None
+            try:
+                store = self._open()
+            except StoreError as exc:
+                self._next_open = self._clock() + self._open_backoff.failed(exc)
+                if self._open_backoff.failures == 1:
+                    log.warning("alert records wait in journal %s until the store opens: %s",
+                                self._journal.path or "(memory)", exc)
+                return None
+            self._outbox = StoreOutbox(self._journal, store, clock=self._clock)
+        return self._outbox
+
+    def start(self) -> None:
+        """Record in a background thread until `stop`."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="tracehound-alert-records",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the thread, then give the store up to `timeout` s more for what is left;
+        whether nothing is (the rest waits in the journal). Stop the dispatcher first."""
+        end = self._clock() + timeout
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("alert records: the recorder's thread did not end; what it has not "
+                            "stored waits in journal %s", self._journal.path or "(memory)")
+                return False
+        try:
+            self.record_pending()
+            if self._outbox is None:
+                return not self.pending()
+            return self._outbox.drain(max(0.0, end - self._clock()), time.sleep)
+        except Exception:
+            log.exception("alert records: could not write the last ones to the store")
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self.record_pending()
+            except Exception:
+                log.exception("alert records: a pass failed; trying again in %.1f s",
+                              self._idle_s)
+            self._wake.wait(self._idle_s)

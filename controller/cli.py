@@ -4,6 +4,7 @@
     tracehound run        launch and supervise a torchrun-style job
     tracehound incidents  list stored incidents and the actions taken
     tracehound status     a supervised job's state, attempts, isolated nodes, open incidents
+    tracehound ui         the incident dashboard (Streamlit) over the store
     tracehound retention  drop stored records older than N days
     tracehound operator   the Kubernetes operator over TrainingJob resources
     tracehound bundle     copy the recorder where another image can import it
@@ -294,9 +295,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         receivers = alerts.merge_receivers(*((where, alerts.load_receivers(path))
                                              for where, path in files))
         dispatcher = alerts.Dispatcher(alerts.Outbox(workdir / "alerts", receivers))
-        dispatcher.start()
-    with contextlib.ExitStack() as stack, store_session(args.store) as session:
+    with store_session(args.store) as session, contextlib.ExitStack() as stack:
         if dispatcher is not None:
+            # each settled alert is recorded on its incident; at the end the dispatcher stops,
+            # then the recorder stores what is left, then the store closes
+            recorder = alerts.AlertRecorder(lambda: session.store,
+                                            workdir / "alerts" / alerts.ACTIONS_JOURNAL)
+            dispatcher.on_settled = recorder
+            recorder.start()
+            stack.callback(recorder.stop, 10.0)
+            dispatcher.start()
             stack.callback(dispatcher.stop, 10.0)
         orch = LocalOrchestrator(
             workdir=workdir, sink=session.sink, warm_spares=args.warm_spares,

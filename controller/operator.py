@@ -283,10 +283,16 @@ def build_registry(config: OperatorConfig) -> Any:
 
     def shared() -> tuple[KubeApi, TraceStore]:
         with lock:
-            if "store" not in state:
+            if "api" not in state:
                 state["api"] = KubeApi(config.api_url)
+        return state["api"], shared_store()
+
+    def shared_store() -> TraceStore:
+        with lock:
+            if "store" not in state:
                 state["store"] = open_store(config.store_url)
-            return state["api"], state["store"]
+            store: TraceStore = state["store"]
+            return store
 
     @kopf.on.startup(registry=registry)
     def configure(settings: Any, **_: Any) -> None:
@@ -299,19 +305,6 @@ def build_registry(config: OperatorConfig) -> Any:
         settings.execution.max_workers = config.max_jobs + 8
         settings.watching.server_timeout = 300
 
-    @kopf.on.cleanup(registry=registry)
-    def close(**_: Any) -> None:
-        with lock:
-            store = state.pop("store", None)
-        if store is not None:
-            store.close()
-
-    @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> Any:
-        if config.api_url is not None:
-            return kopf.ConnectionInfo(server=config.api_url, insecure=True)
-        return kopf.login_via_client(**kwargs)
-
     dispatcher = None
     if config.alerts:
         from tracehound.controller import alerts
@@ -323,11 +316,33 @@ def build_registry(config: OperatorConfig) -> Any:
 
         @kopf.on.startup(registry=registry)
         def start_alerts(**_: Any) -> None:
+            # each settled alert is recorded on its incident (the store opened when first
+            # needed: an unreachable store must not keep the operator from starting)
+            recorder = alerts.AlertRecorder(
+                shared_store, config.workdir / "alerts" / alerts.ACTIONS_JOURNAL)
+            state["alert_recorder"] = recorder
+            dispatcher.on_settled = recorder
+            recorder.start()
             dispatcher.start()
 
-        @kopf.on.cleanup(registry=registry)
-        def stop_alerts(**_: Any) -> None:
+    @kopf.on.cleanup(registry=registry)
+    def close(**_: Any) -> None:
+        # the dispatcher stops first, then its last records go to the store, then it closes
+        if dispatcher is not None:
             dispatcher.stop(10.0)
+        recorder = state.pop("alert_recorder", None)
+        if recorder is not None:
+            recorder.stop(10.0)
+        with lock:
+            store = state.pop("store", None)
+        if store is not None:
+            store.close()
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        if config.api_url is not None:
+            return kopf.ConnectionInfo(server=config.api_url, insecure=True)
+        return kopf.login_via_client(**kwargs)
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry,
                  cancellation_timeout=30.0)

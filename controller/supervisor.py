@@ -163,8 +163,10 @@ class Supervisor:
         `evidence_dir`; with neither they wait in memory only and are lost with the process).
         `notify` is told each incident as it fires, and again once the job is healthy (the
         restarted attempt made its first step, or the attempt finished): the alert outbox's
-        `Dispatcher.enqueue`, usually. `on_state` is told each state once it is journaled (the
-        operator mirrors it into the TrainingJob's status); it must not raise."""
+        `Dispatcher.enqueue`, usually (what became of each alert is recorded on its incident
+        by the dispatcher's `AlertRecorder`, as an `alert` action no decision here reads).
+        `on_state` is told each state once it is journaled (the operator mirrors it into the
+        TrainingJob's status); it must not raise."""
         self.spec = spec
         self.store = store
         self.orch = orchestrator
@@ -438,7 +440,10 @@ class Supervisor:
         """Carry out what the earlier controller's plan had not done yet; the reason if the
         plan gives up."""
         plan = plan_from_json(latest.plan)
-        taken = history.actions_of(latest.incident_id)
+        # the plan's own steps: an alert's record (taken whenever a receiver answered) says
+        # nothing about how far the plan got
+        taken = [a for a in history.actions_of(latest.incident_id)
+                 if ActionKind(a.kind) is not ActionKind.ALERT]
         self.orch.kill_leftovers(latest.attempt)  # stopped or not: that attempt is over
         self._carry_out(latest.incident_id, latest.attempt, plan,
                         after_us=max((a.time_us for a in taken), default=0),

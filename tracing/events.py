@@ -342,6 +342,10 @@ class ActionKind(enum.StrEnum):
     RESUMED = "resumed"
     """The restarted job made its first step on every rank; the detail says where the
     restart's time went (`controller.restarts`)."""
+    ALERT = "alert"
+    """An alert about the incident reached a receiver, or was set aside for good; the target is
+    the receiver's name, the detail says which alert (firing, resolved) and what became of it.
+    A record of what was said, never a step of the recovery: no decision reads it."""
 
 
 @record_kind

@@ -17,7 +17,12 @@ Covered:
   within the timeout delivered, 400 and redirects set aside in failed/ and counted, unreadable
   or orphaned pending files, a restart between an answer and its cleanup, the background
   thread's start/stop;
-- receivers files with a wrong field name the file and the field.
+- receivers files with a wrong field name the file and the field;
+- each delivered or set-aside delivery told to `on_settled` once, with its receiver, job,
+  incident, status, tries and reason; a callback that raises does not stop delivery;
+- `AlertRecorder` stores each as an `alert` action of its incident on every store adapter
+  (once, across a restart, and after the store could not be opened); `tracehound run` with a
+  receivers file leaves the incident's alerts on it; an `alert` action changes no decision.
 
 Time: the dispatcher is driven with explicit `now` values, or by its thread with tiny backoffs
 and polled conditions; nothing asserts on how long anything took.
@@ -39,14 +44,18 @@ import msgspec
 import pytest
 
 from tracehound.controller.alerts import (
+    ACTIONS_JOURNAL,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     Alert,
     AlertConfigError,
+    AlertRecorder,
     DeliveryCounts,
     Dispatcher,
     Outbox,
     Receiver,
+    Settled,
+    alert_action,
     format_alertmanager,
     format_pagerduty,
     format_slack,
@@ -56,7 +65,15 @@ from tracehound.controller.alerts import (
     retry_after_s,
     verify_signature,
 )
+from tracehound.controller.cli import main
+from tracehound.controller.jobstate import History, done_steps
+from tracehound.controller.policy import PlannedAction
+from tracehound.tracing.errors import TemporaryStoreError
+from tracehound.tracing.events import Action, ActionKind, Incident, JobPhase, JobState
+from tracehound.tracing.ids import JobId
+from tracehound.tracing.jobs import open_incidents
 from tracehound.tracing.retry import Backoff
+from tracehound.tracing.store import TraceStore, open_store
 
 FAST = Backoff(initial_s=0.01, maximum_s=0.05, jitter=0.5)
 """Waits short enough for the dispatcher's own thread to retry at once."""
@@ -535,12 +552,20 @@ def test_a_redirect_is_refused_not_followed(
 
 def test_deliveries_for_a_receiver_no_longer_configured_are_set_aside(tmp_path: Path) -> None:
     Outbox(tmp_path, [webhook("gone", "http://127.0.0.1:9/")]).enqueue(make_alert())
-    dispatcher = Dispatcher(Outbox(tmp_path, []), backoff=FAST)
+    settled: list[Settled] = []
+    dispatcher = Dispatcher(Outbox(tmp_path, []), backoff=FAST, on_settled=settled.append,
+                            wall_clock=lambda: 1_800_000_000.0)
     assert dispatcher.counts().pending == 1
     dispatcher.deliver_once(now=0.0)
     assert dispatcher.counts().failed == 1
     assert dispatcher.counts().pending == 0
     assert len(list((tmp_path / "failed" / "gone").glob("*.json"))) == 1
+    assert settled == [Settled(
+        receiver="gone", receiver_kind="", job="exp7", incident_id="inc-1", status="firing",
+        ok=False, tries=0, reason="receiver 'gone' is no longer configured",
+        at_us=1_800_000_000_000_000)]
+    assert settled[0].describe() == ("firing alert to gone set aside: receiver 'gone' is no "
+                                     "longer configured")
 
 
 def test_stop_returns_while_the_receiver_is_down(tmp_path: Path) -> None:
@@ -619,3 +644,214 @@ def test_bad_receivers_files(tmp_path: Path, doc: Any, message: str) -> None:
         load_receivers(path)
     assert f"{path}: " in str(error.value)
     assert message in str(error.value)
+
+
+# -- what became of each delivery -------------------------------------------------------------
+
+WALL_S = 1_800_000_000.25
+
+
+def test_a_delivered_and_a_set_aside_delivery_are_each_told_once(
+        tmp_path: Path, endpoint: Callable[..., Endpoint]) -> None:
+    busy_then_fine = endpoint(script=[Answer(503)])
+    refusing = endpoint(default=Answer(400))
+    receivers = [Receiver(name="oncall-slack", kind="slack", url=busy_then_fine.url()),
+                 Receiver(name="pager", kind="pagerduty", url=refusing.url("/pd"),
+                          routing_key="rk")]
+    settled: list[Settled] = []
+    dispatcher = Dispatcher(Outbox(tmp_path, receivers), backoff=FAST,
+                            on_settled=settled.append, wall_clock=lambda: WALL_S)
+    dispatcher.enqueue(make_alert(status="resolved"))
+    assert dispatcher.deliver_once(now=0.0) == 0  # slack: 503, tried again later
+    assert settled == [Settled(
+        receiver="pager", receiver_kind="pagerduty", job="exp7", incident_id="inc-1",
+        status="resolved", ok=False, tries=1,
+        reason=f"HTTP 400 from {refusing.url('/pd')}: ok", at_us=1_800_000_000_250_000)]
+    assert dispatcher.deliver_once(now=1.0) == 1
+    assert dispatcher.deliver_once(now=2.0) == 0
+    assert settled[1:] == [Settled(
+        receiver="oncall-slack", receiver_kind="slack", job="exp7", incident_id="inc-1",
+        status="resolved", ok=True, tries=2, at_us=1_800_000_000_250_000)]
+    assert dispatcher.counts() == DeliveryCounts(delivered=1, retries=1, failed=1, pending=0)
+
+    refused, delivered = (alert_action(s) for s in settled)
+    assert refused == Action(
+        job=JobId("exp7"), incident_id="inc-1", kind=ActionKind.ALERT, target="pager",
+        time_us=1_800_000_000_250_000, ok=False, rule="",
+        detail=f"resolved alert to pager (pagerduty) set aside after 1 try: HTTP 400 from "
+               f"{refusing.url('/pd')}: ok")
+    assert (delivered.target, delivered.ok, delivered.detail) == (
+        "oncall-slack", True, "resolved alert delivered to oncall-slack (slack) after 2 tries")
+
+
+def test_an_on_settled_that_raises_never_stops_delivery(
+        tmp_path: Path, endpoint: Callable[..., Endpoint]) -> None:
+    server = endpoint()
+    told: list[Settled] = []
+
+    def broken(settled: Settled) -> None:
+        told.append(settled)
+        raise RuntimeError("the store is on fire")
+
+    dispatcher = Dispatcher(Outbox(tmp_path, [webhook("hook", server.url())]), backoff=FAST,
+                            on_settled=broken)
+    dispatcher.enqueue(make_alert())
+    dispatcher.enqueue(make_alert(incident_id="inc-2"))
+    assert dispatcher.deliver_once(now=0.0) == 2
+    assert statuses(server) == [("inc-1", "firing"), ("inc-2", "firing")]
+    assert [s.incident_id for s in told] == ["inc-1", "inc-2"]
+    assert dispatcher.counts() == DeliveryCounts(delivered=2, retries=0, failed=0, pending=0,
+                                                 callback_errors=2)
+    dispatcher.start()  # and its thread goes on too
+    try:
+        dispatcher.enqueue(make_alert(status="resolved"))
+        wait_for(lambda: dispatcher.counts().delivered == 3)
+    finally:
+        assert dispatcher.stop(timeout=5)
+    assert dispatcher.counts().callback_errors == 3
+
+
+# -- recorded on the incident -----------------------------------------------------------------
+
+JOB = JobId("exp7")
+
+
+def stored_incident(store: TraceStore, incident_id: str = "exp7/0/1") -> Incident:
+    incident = Incident(job=JOB, incident_id=incident_id, attempt=0,
+                        detected_at_us=1_799_999_990_000_000, kind="hang", culprit_ranks=(3,),
+                        culprit_nodes=("node-b",), confidence=0.9, summary="rank 3 stopped",
+                        verdict_json="{}")
+    store.record_incident(incident)
+    return incident
+
+
+def settled_of(incident_id: str, at_us: int, *, receiver: str = "oncall",
+               ok: bool = True) -> Settled:
+    return Settled(receiver=receiver, receiver_kind="slack", job=JOB, incident_id=incident_id,
+                   status="firing", ok=ok, tries=1, reason="" if ok else "HTTP 400",
+                   at_us=at_us)
+
+
+def test_the_recorder_stores_each_settled_delivery_once_as_an_alert_action(
+        store: TraceStore, tmp_path: Path) -> None:
+    incident = stored_incident(store)
+    journal = tmp_path / ACTIONS_JOURNAL
+    recorder = AlertRecorder(lambda: store, journal)
+    recorder(settled_of(incident.incident_id, 1_800_000_000_000_000))
+    recorder(settled_of(incident.incident_id, 1_800_000_000_000_001, receiver="pager",
+                        ok=False))
+    assert recorder.record_pending()
+    assert recorder.pending() == 0
+    (read,) = store.incidents(JOB)
+    assert [(a.kind, a.target, a.ok, a.rule) for a in read.actions] == [
+        (ActionKind.ALERT, "oncall", True, ""), (ActionKind.ALERT, "pager", False, "")]
+    assert read.actions[1].detail == "firing alert to pager (slack) set aside after 1 try: " \
+                                     "HTTP 400"
+    assert journal.read_bytes() == b""
+
+    # a controller killed after the store took it and before the journal said so: the next
+    # recorder on the journal finds it stored and does not store it twice
+    journal.write_text(json.dumps({"n": 1, "put": "action", "record": msgspec.to_builtins(
+        alert_action(settled_of(incident.incident_id, 1_800_000_000_000_000)))}) + "\n")
+    again = AlertRecorder(lambda: store, journal)
+    assert again.pending() == 1
+    assert again.record_pending()
+    (read,) = store.incidents(JOB)
+    assert len(read.actions) == 2
+
+
+def test_records_wait_in_the_journal_until_the_store_opens(
+        store: TraceStore, tmp_path: Path) -> None:
+    incident = stored_incident(store)
+    now = [0.0]
+    opens: list[str] = []
+
+    def open_later() -> TraceStore:
+        opens.append("try")
+        if len(opens) == 1:
+            raise TemporaryStoreError("connection refused")
+        return store
+
+    recorder = AlertRecorder(open_later, tmp_path / ACTIONS_JOURNAL, clock=lambda: now[0])
+    recorder(settled_of(incident.incident_id, 1_800_000_000_000_000))
+    assert not recorder.record_pending()
+    assert recorder.pending() == 1
+    assert (tmp_path / ACTIONS_JOURNAL).read_bytes()  # journaled, on disk
+    assert not recorder.record_pending()  # its wait is not over: not tried again
+    assert len(opens) == 1
+    now[0] = 60.0
+    assert recorder.record_pending()
+    (read,) = store.incidents(JOB)
+    assert [a.target for a in read.actions] == ["oncall"]
+
+
+def test_tracehound_run_records_each_alert_on_its_incident(
+        tmp_path: Path, endpoint: Callable[..., Endpoint],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real `tracehound run`: the script's only rank exits 3 in attempt 0 (a crash) and
+    finishes in attempt 1; the receivers file names one webhook on 127.0.0.1."""
+    monkeypatch.delenv("TRACEHOUND_ALERTS", raising=False)
+    server = endpoint()
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\n"
+                      "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+                      "    sys.exit(3)\n")
+    receivers = write_config(tmp_path, {"receivers": [
+        {"name": "oncall-hook", "kind": "webhook", "url": server.url("/in"),
+         "secret": "s3cret"}]})
+    store_url = f"chdb://{tmp_path / 'store'}"
+    assert main(["run", "--job-id", "alerted", "--nnodes", "1", "--nproc-per-node", "1",
+                 "--workdir", str(tmp_path / "w"), "--store", store_url, "--timeout", "120",
+                 "--alerts", str(receivers), str(script)]) == 0
+
+    assert ("alerted/0/1", "firing") in statuses(server)
+    store = open_store(store_url)
+    try:
+        (incident,) = store.incidents(JobId("alerted"))
+    finally:
+        store.close()
+    assert incident.kind == "crash"
+    alerts = [a for a in incident.actions if a.kind is ActionKind.ALERT]
+    assert ("oncall-hook", True, "firing alert delivered to oncall-hook (webhook) after 1 try",
+            "") in [(a.target, a.ok, a.detail, a.rule) for a in alerts]
+    assert {a.target for a in alerts} == {"oncall-hook"} and all(a.ok for a in alerts)
+    # what the controller did is what it does without alerts
+    assert [a.kind for a in incident.actions if a.kind is not ActionKind.ALERT] == [
+        ActionKind.STOP_JOB, ActionKind.RESTART]
+    assert (tmp_path / "w" / "alerted" / "alerts" / ACTIONS_JOURNAL).read_bytes() == b""
+
+
+def test_an_alert_action_changes_no_decision() -> None:
+    """The decisions that read an incident's actions read the same with an `alert` on it: the
+    steps of a plan already taken, the times of restarts, the open incidents."""
+    at = 1_000_000
+
+    def incident(*kinds: ActionKind, alert_at: int | None = None) -> Incident:
+        """An incident with actions of `kinds` at at+1, at+2, ..., and an alert at `alert_at`."""
+        iid = "exp7/0/1"
+        actions = [Action(job=JOB, incident_id=iid, kind=k, target="t", time_us=at + i, ok=True)
+                   for i, k in enumerate(kinds, 1)]
+        if alert_at is not None:
+            actions.append(Action(job=JOB, incident_id=iid, kind=ActionKind.ALERT,
+                                  target="oncall", time_us=alert_at, ok=True))
+        return Incident(
+            job=JOB, incident_id=iid, attempt=0, detected_at_us=at, kind="hang",
+            culprit_ranks=(3,), culprit_nodes=("node-b",), confidence=0.9, summary="s",
+            verdict_json="{}", actions=tuple(sorted(actions, key=lambda a: a.time_us)))
+
+    plan = (PlannedAction(kind=ActionKind.STOP_JOB, target="t", reason="r"),
+            PlannedAction(kind=ActionKind.RESTART, target="t", reason="r"))
+    states = [JobState(job=JOB, time_us=at - 1, seq=1, state=JobPhase.RUNNING, attempt=1)]
+    cases = [(ActionKind.STOP_JOB,), (ActionKind.OBSERVE,), (ActionKind.RESTART,),
+             (ActionKind.RESTART, ActionKind.RESUMED), ()]
+    for kinds in cases:
+        without = incident(*kinds)
+        for alerted in (incident(*kinds, alert_at=at), incident(*kinds, alert_at=at + 99)):
+            assert done_steps(plan, alerted.actions) == done_steps(plan, without.actions)
+            assert (History(states, [alerted]).times(ActionKind.RESTART)
+                    == History(states, [without]).times(ActionKind.RESTART))
+            for attempt in (0, 1):
+                assert (len(open_incidents(states, [msgspec.structs.replace(
+                            alerted, attempt=attempt)]))
+                        == len(open_incidents(states, [msgspec.structs.replace(
+                            without, attempt=attempt)])))

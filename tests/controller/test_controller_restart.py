@@ -330,3 +330,43 @@ def test_status_names_the_state_attempts_isolated_nodes_and_open_incidents(
     assert status is not None and status["state"] == "finished"
     assert status["open_incidents"] == [] and status["incidents"] == 1
     assert job_status(store, JobId("nobody")) is None
+
+
+@pytest.mark.parametrize("where", ["diagnosing", "isolating, node isolated"])
+def test_an_alert_recorded_on_the_incident_changes_nothing_for_the_next_controller(
+    store: TraceStore, tmp_path: Path, where: str
+) -> None:
+    """The firing alert reached a receiver (its `alert` action stored, as `AlertRecorder`
+    stores it, later than anything the first controller did) before the second controller
+    picks the plan up: it carries out the same steps, once each, in the same order."""
+    clock = Clock()
+    world = World()
+    ranks = Ranks(store, clock)
+    first = controller(store, tmp_path, clock, ranks, Orch(world), KILLS[where])
+    with pytest.raises(Killed):
+        first.run()
+    first.outbox.flush(force=True)
+    latest = read_history(store, JOB, []).latest
+    assert latest is not None and latest.incident_id
+    alert_at = clock.now + 60 * S
+    store.record_action(Action(
+        job=JOB, incident_id=latest.incident_id, kind=ActionKind.ALERT, target="oncall",
+        time_us=alert_at, ok=True, detail="firing alert delivered to oncall (slack) "
+        "after 1 try"))
+    status = job_status(store, JOB)
+    assert status is not None and len(status["open_incidents"]) == 1
+
+    result = controller(store, tmp_path, clock, ranks, Orch(world)).run()
+
+    assert result.completed is True, result.reason
+    assert world.launches == [0, 1] and world.isolations == ["node-1"]
+    (incident,) = store.incidents(JOB)
+    steps = [a for a in incident.actions if a.kind is not ActionKind.ALERT]
+    assert [(a.kind, a.target) for a in steps][:3] == [
+        (ActionKind.STOP_JOB, "attempt 0"), (ActionKind.ISOLATE_NODE, "node-1"),
+        (ActionKind.RESTART, "attempt 1")]
+    assert [a.time_us for a in steps] == sorted(a.time_us for a in steps)
+    assert steps[2].time_us < alert_at, "the plan's steps are not timed after the alert"
+    assert [a.target for a in incident.actions if a.kind is ActionKind.ALERT] == ["oncall"]
+    status = job_status(store, JOB)
+    assert status is not None and status["open_incidents"] == []

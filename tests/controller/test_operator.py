@@ -8,6 +8,7 @@ the ranks' heartbeats are written to it as node agents would.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -248,6 +249,68 @@ def test_a_faulty_node_is_cordoned_once_its_pods_recreated_and_a_restarted_opera
     reasons = [e.reason for e in kube.events(NS)]
     assert reasons.count("NodeIsolated") == 1
     assert "Incident" in reasons and "Restarting" in reasons and "Finished" in reasons
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1 that answers 200 and keeps each body."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.bodies: list[dict[str, Any]] = []
+        bodies = self.bodies
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                bodies.append(json.loads(body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_alerts_the_operator_sent_are_recorded_on_the_incident(
+    cluster: tuple[Emulator, Cluster], server_store_url: str, tmp_path: Path,
+) -> None:
+    emulator, kube = cluster
+    receiver = Receiver()
+    receivers = tmp_path / "alerts.yaml"
+    receivers.write_text(yaml.safe_dump({"receivers": [
+        {"name": "oncall-hook", "kind": "webhook", "url": receiver.url, "secret": "s"}]}))
+    cfg = config(server_store_url, emulator.url, tmp_path / "op",
+                 ko.default_sidecar(image="tracehound:test"), settings=SETTINGS,
+                 alerts=(receivers,))
+    kube.create_job(NS, NAME, SPEC)
+    try:
+        with Ranks(server_store_url, kube), operator(cfg):
+            wait_for("attempt 1's pods", lambda: len(_rank_pods(kube, 1)) == 2)
+            for name in _rank_pods(kube, 1):
+                kube.end_pod(NS, name, 0)
+            wait_for("the job to finish", lambda: _phase(kube) == "Finished")
+    finally:
+        receiver.close()
+
+    assert [b["status"] for b in receiver.bodies if b["kind"] == "hang"][:1] == ["firing"]
+    with open_store(server_store_url) as store:
+        (incident,) = [i for i in store.incidents(JOB) if i.kind == "hang"]
+    alerts = [(a.target, a.ok, a.detail) for a in incident.actions if a.kind == "alert"]
+    assert ("oncall-hook", True,
+            "firing alert delivered to oncall-hook (webhook) after 1 try") in alerts
+    assert {target for target, _, _ in alerts} == {"oncall-hook"}
+    # what the operator did is what it does without alerts
+    assert [a.kind for a in incident.actions if a.kind != "alert"][:3] == [
+        "stop_job", "isolate_node", "restart"]
 
 
 @pytest.mark.parametrize(("spec", "field"), [
