@@ -246,6 +246,12 @@ def _stragglers_view(store: TraceStore, job: str, states: Sequence[JobState],
                                    top=8)
     _, culprits = _culprits(store, job, attempt)
     frame = data.lateness_frame(series)
+    nodes = sorted({str(n) for n in series.top_node})
+    picked = st.sidebar.multiselect("Nodes", nodes, key="late-nodes",
+                                    help="show only the late ranks of these nodes (all when "
+                                         "none is picked)")
+    if picked:
+        frame = frame[frame["node"].isin(picked) | (frame["rank"] == "typical")]
     if frame.empty:
         st.info("No collective of this attempt falls in the time range.")
     else:
@@ -261,7 +267,8 @@ def _stragglers_view(store: TraceStore, job: str, states: Sequence[JobState],
                 strokeDash=alt.StrokeDash("kind:N"),
                 tooltip=["rank", "node", "time", "lateness (ms)", "collectives"],
             ), width="stretch")
-        st.dataframe(data.late_ranks_frame(series, culprits), hide_index=True)
+        late = data.late_ranks_frame(series, culprits)
+        st.dataframe(late[late["node"].isin(picked)] if picked else late, hide_index=True)
     st.subheader("Link latency")
     links = store.link_stats(JobId(job), attempt, span.start_us, span.end_us)
     matrix = data.links_frame(links)

@@ -45,7 +45,8 @@ def test_jobs_view_lists_every_job_with_its_state_and_incidents(
     at = app(sim_store.url, "jobs", monkeypatch)
     (jobs,) = tables(at)
     by_job = jobs.set_index("job")
-    assert set(by_job.index) == {"sim-hang", "sim-straggler", HOSTILE}
+    assert set(by_job.index) == {"sim-hang", "sim-straggler", HOSTILE, "live"}
+    assert by_job.loc["live", "state"] == "running"
     # simulated traces have no controller behind them; the hostile job failed after 2 s
     assert by_job.loc["sim-hang", "state"] == "no controller state"
     assert by_job.loc["sim-hang", "incidents"] == 1
@@ -92,6 +93,30 @@ def test_stragglers_view_puts_the_slow_rank_first(
     assert int(late["rank"].iloc[0]) == culprit
     assert bool(late["culprit"].iloc[0]) is True
     assert charts(at), "the lateness chart is drawn"
+
+
+def test_a_running_job_is_redrawn_by_default_an_ended_one_is_not(
+        sim_store: FilledStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refresh(job: str) -> bool:
+        at = app(sim_store.url, "incident", monkeypatch, job=job)
+        (toggle,) = at.toggle
+        return bool(toggle.value)
+
+    assert refresh("live") is True
+    assert refresh(HOSTILE) is False  # failed
+    assert refresh("sim-hang") is False  # traces without a controller: nothing moves
+
+
+def test_the_node_filter_keeps_the_late_ranks_of_the_nodes_picked(
+        sim_store: FilledStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    truth = sim_store.truth["sim-straggler"]
+    at = app(sim_store.url, "stragglers", monkeypatch, job="sim-straggler")
+    (nodes,) = [m for m in at.multiselect if m.label == "Nodes"]
+    others = [n for n in nodes.options if n != truth["culprit_nodes"][0]]
+    nodes.set_value(others[:1]).run()
+    late, *_ = tables(at)
+    assert set(late["node"]) == set(others[:1])
+    assert truth["culprit_ranks"][0] not in set(late["rank"])
 
 
 def test_health_view_draws_the_nodes_metrics(

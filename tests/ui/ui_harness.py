@@ -85,6 +85,8 @@ def fill_simulated(url: str) -> dict[str, dict[str, Any]]:
                           "culprit_nodes": list(sim.truth.culprit_nodes),
                           "verdict": verdict}
         _hostile(store)
+        store.record_state(JobState(job=JobId("live"), time_us=now_us() - 5_000_000, seq=1,
+                                    state=JobPhase.RUNNING, attempt=0, nodes=("node-a",)))
     finally:
         store.close()
     return truth
