@@ -46,7 +46,7 @@ def test_jobs_view_lists_every_job_with_its_state_and_incidents(
     (jobs,) = tables(at)
     by_job = jobs.set_index("job")
     assert set(by_job.index) == {"sim-hang", "sim-straggler", HOSTILE, "live"}
-    assert by_job.loc["live", "state"] == "running"
+    assert by_job.loc["live", "state"] == "stalled"
     # simulated traces have no controller behind them; the hostile job failed after 2 s
     assert by_job.loc["sim-hang", "state"] == "no controller state"
     assert by_job.loc["sim-hang", "incidents"] == 1
@@ -93,6 +93,21 @@ def test_stragglers_view_puts_the_slow_rank_first(
     assert int(late["rank"].iloc[0]) == culprit
     assert bool(late["culprit"].iloc[0]) is True
     assert charts(at), "the lateness chart is drawn"
+
+
+def test_a_stall_is_shown_as_such_with_where_the_busy_rank_is(
+        sim_store: FilledStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = app(sim_store.url, "incident", monkeypatch, job="live")
+    shown = "\n".join(texts(at))
+    assert "A stall: peers wait while the ranks below are alive and busy" in shown
+    busy = tables(at)[0]
+    assert list(busy["fact"]) == ["busy", "stack"] and set(busy["rank"]) == {5}
+    assert "writing" in busy["detail"].iloc[0]
+    assert "save (torch/serialization.py:652)\ncheckpoint (train.py:88)" in shown
+    timeline = tables(at)[1]
+    assert list(timeline["step"]) == ["detect", "decide: observe"]
+    (jobs,) = tables(app(sim_store.url, "jobs", monkeypatch))
+    assert jobs.set_index("job").loc["live", "open incidents"] == 1
 
 
 def test_a_running_job_is_redrawn_by_default_an_ended_one_is_not(

@@ -85,8 +85,7 @@ def fill_simulated(url: str) -> dict[str, dict[str, Any]]:
                           "culprit_nodes": list(sim.truth.culprit_nodes),
                           "verdict": verdict}
         _hostile(store)
-        store.record_state(JobState(job=JobId("live"), time_us=now_us() - 5_000_000, seq=1,
-                                    state=JobPhase.RUNNING, attempt=0, nodes=("node-a",)))
+        _live_stall(store)
     finally:
         store.close()
     return truth
@@ -109,6 +108,28 @@ def _hostile(store: TraceStore) -> None:
         summary=HOSTILE, verdict_json=json.dumps(verdict)))
     store.record_action(Action(job=job, incident_id="h/0/1", kind=ActionKind.GIVE_UP,
                                target=HOSTILE, time_us=t + 2_500_000, ok=True, detail=HOSTILE))
+
+
+def _live_stall(store: TraceStore) -> None:
+    """A running job whose rank 5 has been writing a checkpoint for a while: a stall."""
+    t = now_us() - 5_000_000
+    job = JobId("live")
+    store.record_state(JobState(job=job, time_us=t, seq=1, state=JobPhase.RUNNING, attempt=0,
+                                nodes=("node-a", "node-b")))
+    store.record_state(JobState(job=job, time_us=t + 3_000_000, seq=2, state=JobPhase.STALLED,
+                                attempt=0, incident_id="live/0/1", nodes=("node-a", "node-b")))
+    verdict = {"basis": "busy_timeout", "evidence": [
+        {"fact": "busy", "rank": 5, "node": "node-b", "group": "", "seq": 0, "value": 42.0,
+         "detail": "rank 5 on node node-b is busy outside collectives for 42 s (writing)"},
+        {"fact": "stack", "rank": 5, "node": "node-b", "group": "", "seq": 0, "value": 0.0,
+         "detail": "save (torch/serialization.py:652)\ncheckpoint (train.py:88)"}]}
+    store.record_incident(Incident(
+        job=job, incident_id="live/0/1", attempt=0, detected_at_us=t + 3_000_000, kind="stall",
+        culprit_ranks=(5,), culprit_nodes=("node-b",), confidence=0.8,
+        summary="3 ranks wait on rank 5 on node node-b, busy outside collectives",
+        verdict_json=json.dumps(verdict)))
+    store.record_action(Action(job=job, incident_id="live/0/1", kind=ActionKind.OBSERVE,
+                               target="0", time_us=t + 3_100_000, ok=True, rule="rules.stall"))
 
 
 def app(url: str, view: str, monkeypatch: Any, **params: str) -> AppTest:
