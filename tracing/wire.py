@@ -112,9 +112,29 @@ def decode(raw: Any, *, batch_only: bool = True) -> Any:
     InvalidRecord saying what is wrong."""
     union, _, _ = _codecs(batch_only)
     try:
-        return msgspec.convert(raw, union)
+        return _text_checked(msgspec.convert(raw, union))
     except msgspec.ValidationError as exc:
         raise InvalidRecord(_reason(str(exc), raw, batch_only)) from None
+    except RecursionError:
+        raise InvalidRecord(_TOO_DEEP) from None
+
+
+_TOO_DEEP = "the record is nested too deep to be read"
+
+
+def _text_checked(record: Any) -> Any:
+    """`record` if every string in it is text; InvalidRecord naming the field holding a lone
+    UTF-16 surrogate otherwise. JSON allows `"\\ud800"`, which is not text and which no store
+    can keep: msgspec refuses it, Python's json (the fallback, and what `decode` is given)
+    takes it."""
+    for name in record.__struct_fields__:
+        try:
+            _encoder.encode(getattr(record, name))
+        except UnicodeEncodeError:
+            raise InvalidRecord(
+                f"field {name!r} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                "text") from None
+    return record
 
 
 def decode_line(data: bytes | str, *, batch_only: bool = True) -> Any:
@@ -124,19 +144,36 @@ def decode_line(data: bytes | str, *, batch_only: bool = True) -> Any:
         return decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise InvalidRecord(_reason(str(exc), _parsed(data), batch_only)) from None
-    except msgspec.DecodeError:
-        # Not JSON to msgspec; Python's parser also takes NaN and Infinity, which a record then
-        # refuses by name.
+    except (msgspec.DecodeError, RecursionError, UnicodeEncodeError):
+        # Not JSON to msgspec (or too deep, or a str that is not text); Python's parser also
+        # takes NaN, Infinity and lone surrogates, which a record then refuses by name.
         return decode(_parsed(data, strict=True), batch_only=batch_only)
+
+
+def _parse_int(text: str) -> int | float:
+    """Python refuses to convert an integer of more than 4300 digits (ValueError), which would
+    fail a whole batch: such a number, past every field's range, is read as a float (inf) that
+    its record is then rejected for, by the field's name."""
+    return int(text) if len(text) <= 4000 else float(text)
+
+
+def _json_loads(data: bytes | str) -> Any:
+    """Python's json parser (for what msgspec refuses: NaN, Infinity, lone surrogates)."""
+    return json.loads(data, parse_int=_parse_int)
 
 
 def _parsed(data: bytes | str, *, strict: bool = False) -> Any:
     try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return _json_loads(data)
+    except (ValueError, RecursionError) as exc:
+        # ValueError: not JSON, or not UTF-8
         if strict:
-            raise InvalidRecord(f"a record must be JSON: {exc}") from None
+            raise InvalidRecord(f"a record must be JSON: {_json_problem(exc)}") from None
         return None
+
+
+def _json_problem(exc: Exception) -> str:
+    return "nested too deep" if isinstance(exc, RecursionError) else str(exc)
 
 
 def decode_records(raws: Iterable[Any]) -> tuple[list[Record], list[Rejection]]:
@@ -156,11 +193,16 @@ def decode_batch(data: bytes | str) -> DecodedBatch:
     """A batch from JSON. The batch itself must be well formed; bad records inside are rejected
     one by one and the rest kept."""
     _, record_decoder, batch_decoder = _codecs(True)
+    if isinstance(data, str):
+        try:
+            data = data.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidRecord(f"a batch must be JSON text: {exc}") from None
     try:
         whole = batch_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        pass
-    else:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        whole = None
+    if whole is not None:
         if not whole.batch_id:
             raise InvalidRecord("field 'batch_id' must not be empty")
         return DecodedBatch(Batch(batch_id=whole.batch_id, records=tuple(whole.records)), ())
@@ -168,7 +210,7 @@ def decode_batch(data: bytes | str) -> DecodedBatch:
     rejected: list[Rejection] = []
     try:
         envelope = msgspec.json.decode(data, type=_Envelope)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         batch_id, raws = _python_envelope(data)
         records, rejected = decode_records(raws)
         return DecodedBatch(Batch(batch_id=batch_id, records=tuple(records)), tuple(rejected))
@@ -184,15 +226,25 @@ def decode_batch(data: bytes | str) -> DecodedBatch:
             parsed = _parsed(bytes(raw))
             reason = _reason(str(exc), parsed, True) if parsed is not None else str(exc)
             rejected.append(Rejection(index, reason))
+        except RecursionError:
+            rejected.append(Rejection(index, _TOO_DEEP))
     return DecodedBatch(Batch(batch_id=envelope.batch_id, records=tuple(records)), tuple(rejected))
+
+
+def _check_batch_id(batch_id: str) -> None:
+    try:
+        batch_id.encode()
+    except UnicodeEncodeError:
+        raise InvalidRecord("field 'batch_id' holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                            "which is not text") from None
 
 
 def _python_envelope(data: bytes | str) -> tuple[str, list[Any]]:
     """batch_id and raw records of a batch parsed by Python's json (which msgspec refused)."""
     try:
-        raw = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRecord(f"a batch must be JSON: {exc}") from exc
+        raw = _json_loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRecord(f"a batch must be JSON: {_json_problem(exc)}") from None
     if not isinstance(raw, Mapping):
         raise InvalidRecord("a batch must be a JSON object with 'batch_id' and 'records'")
     if "batch_id" not in raw:
@@ -200,6 +252,7 @@ def _python_envelope(data: bytes | str) -> tuple[str, list[Any]]:
     batch_id = raw["batch_id"]
     if not isinstance(batch_id, str) or not batch_id:
         raise InvalidRecord("field 'batch_id' must be a non-empty string")
+    _check_batch_id(batch_id)
     if "records" not in raw:
         raise InvalidRecord("missing field 'records'")
     raws = raw["records"]
