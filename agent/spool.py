@@ -249,8 +249,13 @@ class Spool:
         name = path.name
         if not name.startswith("seg-"):
             return None
-        stem = name[4:].split(".", 1)[0]
-        return int(stem) if stem.isdigit() else None
+        stem, _, rest = name[4:].partition(".")
+        if not (stem.isascii() and stem.isdigit()) or f".{rest}" not in (_OPEN, _SEALED,
+                                                                          _INFLIGHT):
+            return None
+        # only the names `path` gives: another file (seg-1.seg, seg-٣.seg, seg-0000000001.x.seg)
+        # would be listed as a segment that `read` cannot open, retried for ever
+        return int(stem) if f"{int(stem):010d}" == stem else None
 
     def path(self, number: int, suffix: str) -> Path:
         return self.directory / f"seg-{number:010d}{suffix}"
@@ -325,7 +330,8 @@ class Spool:
                     continue
                 try:
                     msgspec.json.decode(line, type=msgspec.Raw)
-                except msgspec.DecodeError as exc:
+                except (msgspec.DecodeError, RecursionError) as exc:
+                    # RecursionError: JSON nested deeper than any record (garbage, not a record)
                     self.stats.corrupt_lines += 1
                     log.warning("segment %d: unreadable line skipped: %s", number, exc)
                     continue
