@@ -4,7 +4,9 @@
     python -m tracehound.agent.node ...        (the same, as a module)
 
 Ranks connect to the unix socket at PATH and write newline-delimited JSON records
-(`tracing.wire`). Each line is decoded and validated here, once; bad lines are counted and
+(`tracing.wire`); after each read the agent tells the rank how many lines it has taken (and
+spooled), so a rank writes again what an agent killed before taking it never had
+(`agent.transport`). Each line is decoded and validated here, once; bad lines are counted and
 logged with the reason, never fatal. Good lines are spooled as they came and shipped undecoded.
 Good records go to the durable spool in DIR (`agent.spool`; default $TRACEHOUND_SPOOL_DIR), and
 a shipper thread sends sealed segments to the sink URL (default $TRACEHOUND_SINK):
@@ -115,6 +117,15 @@ def make_sink(url: str) -> BatchSink:
     raise StoreConfigError(
         f"sink URL {url!r}: expected clickhouse://user:pass@host:9000/db or http://host:port"
     )
+
+
+def _acknowledge(conn: socket.socket, lines: int) -> None:
+    """Tell a rank's transport how many lines this agent has taken from its connection
+    (`agent.transport`); never blocks: an acknowledgement the socket cannot take now is skipped
+    (the next one covers it), one to a peer that is gone is dropped."""
+    with contextlib.suppress(OSError):
+        # os.write: the socket's own send would wait out its timeout for room
+        os.write(conn.fileno(), b"%d\n" % lines)
 
 
 def spool_writer(spool: Spool) -> Emit:
@@ -253,6 +264,7 @@ class NodeAgent:
                 time.sleep(0.05)
                 continue
             self.connections += 1
+            _acknowledge(conn, 0)  # tells the rank's transport that this agent acknowledges
             thread = threading.Thread(
                 target=self._serve, args=(conn,), name="tracehound-node-conn", daemon=True
             )
@@ -265,6 +277,9 @@ class NodeAgent:
         conn.settimeout(0.2)
         buffer = b""
         quiet_since_close = False
+        taken = 0
+        """Lines taken from this connection and spooled (or counted as rejected or dropped):
+        acknowledged to the rank's transport after each read."""
         try:
             while True:
                 try:
@@ -286,6 +301,8 @@ class NodeAgent:
                     continue
                 *lines, buffer = buffer.split(b"\n")
                 self.receive(lines)
+                taken += len(lines)
+                _acknowledge(conn, taken)
             if buffer.strip():
                 self.receive([buffer])
         except OSError as exc:
@@ -354,9 +371,11 @@ class NodeAgent:
         s = self.stats()
         self.log.info(
             "received %d, spooled %d, shipped %d, rejected %d, pending segments %d, retries %d, "
-            "process samples %d, stacks %d (%d failed)",
+            "spool write errors %d (%d records dropped), process samples %d, stacks %d "
+            "(%d failed)",
             s["received"], s["spooled"], s["shipped"], s["rejected"], s["pending_segments"],
-            s["retries"], s["process_samples"], s["stacks_captured"], s["stacks_failed"],
+            s["retries"], s["spool_write_errors"], s["spool_dropped"], s["process_samples"],
+            s["stacks_captured"], s["stacks_failed"],
         )
 
     def write_stats(self) -> None:

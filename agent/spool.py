@@ -14,12 +14,22 @@ A store outage must lose nothing: the shipper retries with backoff (`tracing.ret
 doubling, at most 10 s, longer if the sink says `retry_after`) while the spool keeps growing on
 disk. A batch the sink refuses for good is moved to `rejected/` (kept for a human, not retried).
 Nothing here may raise out of the shipper thread.
+
+A spool that cannot be written (its disk is full: ENOSPC, or any other OSError) drops what is
+appended and counts it (`SpoolStats.spool_dropped`, `spool_write_errors`, `spool_error`); the
+first failure of an episode is logged once, at ERROR, with the path and the errno, and its end
+once more, with the count dropped meanwhile. The episode ends when appends have gone through
+for `recover_after_s` (1 s) without a failure: a disk on the edge of full takes a short line
+now and then while it refuses longer ones, and that is still one episode. A write cut short is
+truncated back, so a record is either in the segment whole or counted as dropped, never both.
+Nothing is held in memory for later: what the disk refused is gone, and counted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import logging
 import os
 import threading
@@ -141,7 +151,7 @@ class ClockTracker:
     once (when the agent connects), then the best (shortest round trip) of each period of
     `every_s` seconds. Appends them through `emit` (the agent's own spool)."""
 
-    def __init__(self, *, job: str, node: str, emit: Callable[[list[bytes]], None],
+    def __init__(self, *, job: str, node: str, emit: Callable[[list[bytes]], object],
                  every_s: float = 30.0, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.job, self.node, self.emit = job, node, emit
         self.every_s = every_s
@@ -187,6 +197,22 @@ class SpoolStats:
     """Lines of sealed segments that could not be read back (a torn write before a crash) or
     that the receiver could not decode."""
     pending_segments: int = 0
+    spool_dropped: int = 0
+    """Records that could not be written to the spool (its disk full, or another write error):
+    not stored, only counted."""
+    spool_write_errors: int = 0
+    """Appends that failed (each dropped its records)."""
+    spool_error: str = ""
+    """The latest write failure, with its path and errno (empty while none happened)."""
+
+
+class _CutShort(OSError):
+    """A write failed midway and could not be cut back: `whole_lines` of it are in the
+    segment."""
+
+    def __init__(self, cause: OSError, whole_lines: int) -> None:
+        super().__init__(cause.errno, cause.strerror, cause.filename)
+        self.whole_lines = whole_lines
 
 
 class Spool:
@@ -200,7 +226,10 @@ class Spool:
         seal_records: int = 5000,
         seal_interval_s: float = 0.2,
         monotonic: Callable[[], float] = time.monotonic,
+        recover_after_s: float = 1.0,
     ) -> None:
+        """`recover_after_s`: how long appends must go through after a failed one before the
+        spool counts as writable again (see the module docstring)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.node = node
@@ -210,10 +239,17 @@ class Spool:
         self.stats = SpoolStats()
         self.spool_id = self._spool_id()
         self._lock = threading.Lock()
-        self._open_file: Any = None
+        self._open_fd: int | None = None
         self._open_number = 0
         self._open_count = 0
+        self._open_size = 0
         self._open_since = 0.0
+        self.recover_after_s = recover_after_s
+        self._failing_since_dropped: int | None = None
+        """`stats.spool_dropped` when the current episode of write failures began; None while the
+        spool can be written."""
+        self._ok_since: float | None = None
+        """During an episode: when appends began to go through again (None: the last failed)."""
         numbers = [self._number(p) for p in self.directory.iterdir()]
         self._next = max((n for n in numbers if n is not None), default=0) + 1
         for path in sorted(self.directory.glob(f"seg-*{_OPEN}")):
@@ -272,42 +308,127 @@ class Spool:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def append(self, lines: list[bytes]) -> None:
-        """Append validated wire lines (without newlines) to the open segment."""
+    def append(self, lines: list[bytes]) -> bool:
+        """Append validated wire lines (without newlines) to the open segment. Never raises: when
+        the spool cannot be written they are dropped and counted (see the module docstring);
+        False then."""
         if not lines:
-            return
+            return True
+        data = b"\n".join(lines) + b"\n"
         with self._lock:
-            if self._open_file is None:
-                self._open_number = self._next
-                self._next += 1
-                self._open_file = open(self.path(self._open_number, _OPEN), "ab")  # noqa: SIM115
-                self._open_count = 0
-                self._open_since = self.monotonic()
-            self._open_file.write(b"\n".join(lines) + b"\n")
-            self._open_file.flush()  # a crash of the agent loses nothing; fsync waits for the seal
+            try:
+                fd = self._open_fd
+                if fd is None:
+                    number = self._next
+                    fd = os.open(self.path(number, _OPEN), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                 0o600)
+                    self._next += 1
+                    self._open_fd, self._open_number = fd, number
+                    self._open_count = self._open_size = 0
+                    self._open_since = self.monotonic()
+                self._write_all(fd, data)
+            except OSError as exc:
+                whole = exc.whole_lines if isinstance(exc, _CutShort) else 0
+                self._write_failed(exc, len(lines) - whole)
+                return False
+            # a crash of the agent loses nothing (the kernel has the bytes); fsync waits for the
+            # seal
             self._open_count += len(lines)
+            self._open_size += len(data)
             self.stats.spooled += len(lines)
+            if self._failing_since_dropped is not None:
+                self._recovering()
             if self._open_count >= self.seal_records:
                 self._seal_locked()
+            return True
+
+    def _write_all(self, fd: int, data: bytes) -> None:
+        """Write `data` at the end of the open segment, whole or not at all: a write cut short
+        (the disk filled up midway) is truncated back before the error is raised. If even that
+        fails, the lines written whole count as spooled (the error's `whole_lines`) and the
+        segment is sealed as it is (its torn last line is skipped when it is read)."""
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(fd, view[done:])
+        except OSError:
+            if done:
+                try:
+                    os.ftruncate(fd, self._open_size)
+                except OSError as exc:
+                    whole = data.count(b"\n", 0, done)
+                    self.stats.spooled += whole
+                    self._open_count += whole
+                    self._open_size += done
+                    log.error("could not cut a partial write back in %s: %r; sealing it as it is",
+                              self.path(self._open_number, _OPEN), exc)
+                    self._seal_locked()
+                    raise _CutShort(exc, whole) from exc
+            raise
+        finally:
+            view.release()
+
+    def _recovering(self) -> None:
+        """An append went through during an episode of failures: end it once they have gone
+        through for `recover_after_s`."""
+        now = self.monotonic()
+        if self._ok_since is None:
+            self._ok_since = now
+        if self._failing_since_dropped is not None and now - self._ok_since >= self.recover_after_s:
+            log.warning("the spool at %s is writable again; %d records were dropped while it was "
+                        "not", self.directory,
+                        self.stats.spool_dropped - self._failing_since_dropped)
+            self._failing_since_dropped = self._ok_since = None
+
+    def _write_failed(self, exc: OSError, count: int) -> None:
+        """Count `count` records dropped by a failed append; log the first of an episode."""
+        self._ok_since = None
+        self.stats.spool_dropped += count
+        self.stats.spool_write_errors += 1
+        name = errno.errorcode.get(exc.errno or 0, "?")
+        path = exc.filename or self.path(self._open_number, _OPEN)
+        self.stats.spool_error = f"{path}: [Errno {exc.errno}] {name} {exc.strerror}"
+        if self._failing_since_dropped is None:
+            self._failing_since_dropped = self.stats.spool_dropped - count
+            log.error("cannot write the spool at %s: [Errno %s] %s (%s); records are dropped and "
+                      "counted (stats: spool_dropped, spool_write_errors) until it can be written "
+                      "again", path, exc.errno, exc.strerror, name)
 
     def maybe_seal(self, *, force: bool = False) -> bool:
         """Seal the open segment if it is old enough, full, or `force`; True if one was sealed."""
         with self._lock:
-            if self._open_file is None:
+            if self._open_fd is None:
                 return False
             if force or self.monotonic() - self._open_since >= self.seal_interval_s:
-                self._seal_locked()
-                return True
+                return self._seal_locked()
             return False
 
-    def _seal_locked(self) -> None:
-        handle, self._open_file = self._open_file, None
-        handle.flush()
-        os.fsync(handle.fileno())
-        handle.close()
-        os.replace(self.path(self._open_number, _OPEN), self.path(self._open_number, _SEALED))
-        self._fsync_dir()
+    def _seal_locked(self) -> bool:
+        """Close the open segment and seal it; an empty one (every append to it failed) is
+        removed instead. True if a segment was sealed."""
+        fd, self._open_fd = self._open_fd, None
+        if fd is None:
+            return False
+        open_path = self.path(self._open_number, _OPEN)
+        try:
+            if self._open_size == 0:
+                os.close(fd)
+                open_path.unlink(missing_ok=True)
+                return False
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                log.warning("could not fsync %s: %r; sealing it anyway", open_path, exc)
+            os.close(fd)
+            os.replace(open_path, self.path(self._open_number, _SEALED))
+            self._fsync_dir()
+        except OSError as exc:
+            # still `.open`: the next agent started on this directory seals and ships it
+            log.error("could not seal %s: %r", open_path, exc)
+            return False
         self.stats.pending_segments += 1
+        return True
 
     def close(self) -> None:
         self.maybe_seal(force=True)

@@ -6,12 +6,21 @@ to the node agent's socket, reconnecting with backoff (`tracing.retry`: 0.05 s, 
 `max_backoff_s`) while the agent is not (yet) there. Records stay buffered up to the bound while
 disconnected; beyond it they are dropped and counted.
 
+The node agent acknowledges what it has put in its spool: on each connection it first sends
+`0\n`, then, after each read it spooled, the number of lines it has taken from that connection
+(`<n>\n`, cumulative, so a skipped acknowledgement is covered by the next). Lines written and
+not yet acknowledged stay here (at most `_CHUNK` of them) and are written again on the next
+connection when the agent goes away, so an agent killed with lines in its socket buffer loses
+none of them. Only an agent killed between spooling lines and acknowledging them (a window of
+microseconds) makes the next one receive them twice. A peer that sends nothing within
+`_HELLO_S` of the connection does not acknowledge: lines written to it count as sent.
+
 Every record offered is counted once, in one place: `dropped` (refused, the buffer was full),
-`pending` (queued, or encoded and not yet written), `sent` (its last byte was written to the
-socket) or `lost` (accepted, then could not be encoded). A write cut short by a lost connection
-is resumed on the next one from the start of the line it cut (the agent rejects the fragment it
-got), so nothing is sent twice and nothing is skipped. What the kernel took for an agent that
-then died is counted as sent: the agent does not acknowledge records.
+`pending` (queued, or encoded and not yet acknowledged), `sent` (the agent acknowledged it, or
+its last byte was written to a peer that does not acknowledge) or `lost` (accepted, then could
+not be encoded). A line is always written whole on one connection: a write cut short by a lost
+connection is written again from the start of the first unacknowledged line (the agent rejects
+the fragment it got).
 
 It must never block or raise into the training thread: `offer` is a length check and an append.
 """
@@ -21,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import select
 import socket
 import threading
 import time
@@ -36,6 +46,8 @@ _CHUNK = 512
 """Items encoded and written per socket write."""
 _FIRST_RECONNECT_S = 0.05
 """Wait after the first failed connection; it doubles up to `max_backoff_s`."""
+_HELLO_S = 1.0
+"""A peer that sent nothing this long after the connection does not acknowledge lines."""
 
 
 class SocketTransport:
@@ -54,9 +66,19 @@ class SocketTransport:
         self.poll_s = poll_s
         self.max_backoff_s = max_backoff_s
         self._queue: collections.deque[Pending] = collections.deque()
-        self._unsent: bytes = b""
+        self._unsent = bytearray()
+        """Encoded lines not yet sent (written and unacknowledged, or not yet written), whole
+        lines from the first one the agent has not acknowledged."""
+        self._lines = 0
+        """Lines in `_unsent`."""
         self._offset = 0
-        """Bytes of `_unsent` already written."""
+        """Bytes of `_unsent` written on the current connection."""
+        self._acking: bool | None = None
+        """Whether the current connection's peer acknowledges (None: not known yet)."""
+        self._hello_by = 0.0
+        self._acked = 0
+        """Lines the current connection's peer has acknowledged."""
+        self._replies = b""
         self._sock: socket.socket | None = None
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -71,7 +93,8 @@ class SocketTransport:
         """Items accepted, then lost: they could not be encoded, or an unexpected error of the
         sender thread discarded them."""
         self.sent = 0
-        """Items whose line was written to the socket in full."""
+        """Items the agent acknowledged (or, to a peer that does not acknowledge, whose line was
+        written in full)."""
         self.connects = 0
 
     # -- training-thread side --------------------------------------------------------------------
@@ -89,10 +112,9 @@ class SocketTransport:
 
     @property
     def pending(self) -> int:
-        """Items accepted and not sent yet: queued, or encoded and not written in full (exact
+        """Items accepted and not sent yet: queued, or encoded and not acknowledged (exact
         while the sender is not writing, e.g. while disconnected)."""
-        data, offset = self._unsent, self._offset
-        return len(self._queue) + data.count(b"\n", offset)
+        return len(self._queue) + self._lines
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -105,7 +127,8 @@ class SocketTransport:
                 self._thread.start()
 
     def flush(self, timeout: float) -> bool:
-        """Wait up to `timeout` s until the queue is empty and written; True if it is."""
+        """Wait up to `timeout` s until everything queued was sent (acknowledged by the agent);
+        True if it was."""
         if self._thread is None:
             self.start()
         deadline = time.monotonic() + timeout
@@ -144,9 +167,16 @@ class SocketTransport:
         self.connects += 1
         if self.connects > 1:
             log.info("tracehound transport reconnected to %s", self.path)
+        # everything not acknowledged is written again, from its first line
+        self._offset = 0
+        self._acked = 0
+        self._acking = None
+        self._hello_by = time.monotonic() + _HELLO_S
+        self._replies = b""
         return sock
 
-    def _encode(self, count: int) -> bytes:
+    def _encode(self, count: int) -> None:
+        """Encode up to `count` queued items onto the end of `_unsent`."""
         lines: list[bytes] = []
         for _ in range(count):
             try:
@@ -158,7 +188,9 @@ class SocketTransport:
             except Exception as exc:
                 self.lost += 1
                 log.warning("tracehound transport could not encode %r: %r", item, exc)
-        return b"\n".join(lines) + b"\n" if lines else b""
+        if lines:
+            self._unsent += b"\n".join(lines) + b"\n"
+            self._lines += len(lines)
 
     def _reconnect_policy(self) -> Backoff:
         """Waits between connection attempts while the node agent is not there."""
@@ -177,11 +209,15 @@ class SocketTransport:
                         self._wake.clear()
                         continue
                     backoff.succeeded()
-                if not self._unsent:
-                    self._offset = 0
-                    self._unsent = self._encode(_CHUNK)
-                if self._unsent:
-                    self._write(self._sock)
+                sock = self._sock
+                if self._offset == len(self._unsent) and self._lines < _CHUNK and self._queue:
+                    self._encode(_CHUNK - self._lines)
+                if self._offset < len(self._unsent):
+                    self._write(sock)
+                    self._read_replies(sock, 0.0)
+                    continue
+                if self._unsent:  # all written, not all acknowledged yet
+                    self._read_replies(sock, self.poll_s)
                     continue
                 self._idle.set()
                 if self._stop:
@@ -190,30 +226,69 @@ class SocketTransport:
                 self._wake.clear()
             except OSError as exc:
                 log.debug("tracehound transport lost %s: %r", self.path, exc)
-                sock, self._sock = self._sock, None
-                if sock is not None:
+                lost, self._sock = self._sock, None
+                if lost is not None:
                     with contextlib.suppress(OSError):
-                        sock.close()
+                        self._read_replies(lost, 0.0)  # what the agent acknowledged before
+                    with contextlib.suppress(OSError):
+                        lost.close()
             except Exception as exc:
                 log.warning("tracehound transport error: %r", exc)
-                self.lost += self._unsent.count(b"\n", self._offset)
-                self._unsent, self._offset = b"", 0
+                self.lost += self._lines
+                self._unsent, self._lines, self._offset = bytearray(), 0, 0
                 time.sleep(0.1)
 
     def _write(self, sock: socket.socket) -> None:
-        """Write the rest of `_unsent`, counting each line once its last byte is out. When the
-        connection fails, `_offset` goes back to the start of the line it cut (raises OSError)."""
-        data = self._unsent
-        view = memoryview(data)
+        """Write the unwritten rest of `_unsent` (raises OSError when the connection fails).
+        To a peer that does not acknowledge, the lines written in full count as sent."""
+        view = memoryview(self._unsent)
         try:
-            while self._offset < len(data):
-                try:
-                    written = sock.send(view[self._offset:])
-                except OSError:
-                    self._offset = data.rfind(b"\n", 0, self._offset) + 1
-                    raise
-                self.sent += data.count(b"\n", self._offset, self._offset + written)
-                self._offset += written
+            while self._offset < len(view):
+                self._offset += sock.send(view[self._offset:])
         finally:
             view.release()
-        self._unsent, self._offset = b"", 0
+            if self._acking is False:
+                self._forget(self._unsent.count(b"\n", 0, self._offset))
+
+    def _read_replies(self, sock: socket.socket, wait_s: float) -> None:
+        """Read what the peer sent (waiting up to `wait_s` for something) and take its
+        acknowledgements. Raises OSError when the peer closed the connection."""
+        if self._acking is None and time.monotonic() >= self._hello_by:
+            self._acking = False
+            log.debug("tracehound transport: %s does not acknowledge", self.path)
+            self._forget(self._unsent.count(b"\n", 0, self._offset))
+        if self._acking is None:
+            wait_s = min(wait_s, max(0.0, self._hello_by - time.monotonic()))
+        readable, _, _ = select.select([sock], [], [], wait_s)
+        if not readable:
+            return
+        data = sock.recv(4096)
+        if not data:
+            raise ConnectionResetError(f"{self.path} closed the connection")
+        if self._acking is False:
+            return
+        self._acking = True
+        *replies, self._replies = (self._replies + data).split(b"\n")
+        if replies:
+            try:
+                acked = int(replies[-1])
+            except ValueError:
+                log.warning("tracehound transport: %s sent %r, not an acknowledgement",
+                            self.path, replies[-1][:100])
+                return
+            if acked > self._acked:
+                self._forget(acked - self._acked)
+                self._acked = acked
+
+    def _forget(self, lines: int) -> None:
+        """The first `lines` lines of `_unsent` are sent: drop them and count them."""
+        if lines <= 0:
+            return
+        lines = min(lines, self._lines)
+        end = 0
+        for _ in range(lines):
+            end = self._unsent.index(b"\n", end) + 1
+        del self._unsent[:end]
+        self._offset = max(0, self._offset - end)
+        self._lines -= lines
+        self.sent += lines
