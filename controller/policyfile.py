@@ -30,6 +30,7 @@ import enum
 import json
 import math
 import os
+import reprlib
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
@@ -62,6 +63,17 @@ class PolicyConfigError(ValueError):
 
 class _Invalid(Exception):
     """A value a field does not take (internal: the loader adds the file and the path)."""
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 200, 200, 200
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 10
+
+
+def shown(value: object) -> str:
+    """`repr(value)` cut short: a YAML document's aliases can make a value of a few lines
+    stand for billions of elements ("billion laughs"), which a plain repr would spell out."""
+    return _SHOWN.repr(value)
 
 
 # -- the tables: one entry per key, the loader, the dumper and the schema read them -------------
@@ -114,11 +126,16 @@ def _number(description: str, minimum: float, maximum: float | None = None, *,
     def parse(value: object) -> object:
         if value is None and null:
             return None
-        if (isinstance(value, bool) or not isinstance(value, int | float)
-                or not math.isfinite(value) or value < minimum
-                or (maximum is not None and value > maximum)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise _Invalid
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            raise _Invalid from None
+        if not math.isfinite(number) or number < minimum or (
+                maximum is not None and number > maximum):
+            raise _Invalid
+        return number
 
     span = f"from {minimum:g} to {maximum:g}" if maximum is not None else f">= {minimum:g}"
     expected = f"a number{f' of {unit}' if unit else ''} {span}" + (" or null" if null else "")
@@ -223,6 +240,13 @@ def load_policy(path: Path) -> PolicySettings:
         doc: object = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PolicyConfigError(f"{source}: {_yaml_problem(exc)}") from exc
+    except PolicyConfigError:
+        raise
+    except (ValueError, OverflowError, RecursionError) as exc:
+        # what PyYAML's constructors let through: a date such as 2024-13-01, an integer of more
+        # than 4300 digits, a document nested deeper than Python's recursion limit
+        problem = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+        raise PolicyConfigError(f"{source}: not a usable YAML document: {problem}") from exc
     return policy_from_document(doc, source=source)
 
 
@@ -236,12 +260,18 @@ def _yaml_problem(exc: Exception) -> str:
     return f"{where}not valid YAML: {problem}"
 
 
-def _no_key_twice(node: object, at: str, source: str) -> None:
+def _no_key_twice(node: object, at: str, source: str, seen_nodes: set[int] | None = None
+                  ) -> None:
     """PolicyConfigError for a key given twice in one mapping (YAML would keep the last in
-    silence, and the first is likely what was meant to be changed)."""
+    silence, and the first is likely what was meant to be changed). Each node is checked once:
+    an alias is the node it names, and walking every path to it takes exponential time."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _no_key_twice(item, f"{at}[{index}]", source)
+            _no_key_twice(item, f"{at}[{index}]", source, seen_nodes)
     if not isinstance(node, yaml.MappingNode):
         return
     seen: dict[object, int] = {}
@@ -253,7 +283,7 @@ def _no_key_twice(node: object, at: str, source: str) -> None:
             raise PolicyConfigError(
                 f"{source}: {path}: given twice, on lines {seen[name]} and {line}")
         seen[name] = line
-        _no_key_twice(value, path, source)
+        _no_key_twice(value, path, source, seen_nodes)
 
 
 def policy_from_document(doc: object, *, source: str) -> PolicySettings:
@@ -264,7 +294,7 @@ def policy_from_document(doc: object, *, source: str) -> PolicySettings:
         return PolicyConfigError(f"{source}: {at}: {message}" if at else f"{source}: {message}")
 
     if not isinstance(doc, Mapping):
-        got = "an empty document" if doc is None else repr(doc)
+        got = "an empty document" if doc is None else shown(doc)
         raise fail("", f"expected a mapping of policy keys with version: {FORMAT_VERSION}, "
                        f"got {got}")
     _known_keys(doc, ("version", *_SETTINGS, "rules"), "", fail)
@@ -273,7 +303,7 @@ def policy_from_document(doc: object, *, source: str) -> PolicySettings:
     version = doc["version"]
     if isinstance(version, bool) or version != FORMAT_VERSION:
         raise fail("version", f"expected {FORMAT_VERSION} (the only policy format), "
-                              f"got {version!r}")
+                              f"got {shown(version)}")
     changes: dict[str, Any] = {name: _parse(spec, doc[name], name, fail)
                                for name, spec in _SETTINGS.items() if name in doc}
     if "rules" in doc:
@@ -299,20 +329,21 @@ def _parse(spec: _Field, value: object, at: str,
     except _Invalid:
         hint = (" (YAML reads yes, no, on and off as booleans: quote the word)"
                 if isinstance(value, bool) and spec.schema.get("type") == "string" else "")
-        raise fail(at, f"expected {spec.expected}, got {value!r}{hint}") from None
+        raise fail(at, f"expected {spec.expected}, got {shown(value)}{hint}") from None
 
 
 def _rules(value: object,
            fail: Callable[[str, str], PolicyConfigError]) -> Mapping[IncidentKind, KindRule]:
     if not isinstance(value, Mapping):
         raise fail("rules", f"expected a mapping of incident kinds ({', '.join(KINDS)}) to "
-                            f"rules, got {value!r}")
+                            f"rules, got {shown(value)}")
     _known_keys(value, KINDS, "rules", fail, what="incident kind")
     rules = dict(DEFAULT_RULES)
     for name, given in value.items():
         kind, at = IncidentKind(name), f"rules.{name}"
         if not isinstance(given, Mapping):
-            raise fail(at, f"expected a mapping of {', '.join(_RULE_FIELDS)}, got {given!r}")
+            raise fail(at, f"expected a mapping of {', '.join(_RULE_FIELDS)}, "
+                           f"got {shown(given)}")
         _known_keys(given, tuple(_RULE_FIELDS), at, fail)
         changes: dict[str, Any] = {
             key: _parse(_RULE_FIELDS[key], given[key], f"{at}.{key}", fail)
