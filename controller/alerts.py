@@ -42,6 +42,12 @@ Errors, by what the caller can do about them:
         ├── PermanentDeliveryError              the receiver refused for good: set aside
         └── TemporaryDeliveryError              try again after `retry_after` seconds
 
+Secrets stay out of logs: a receiver's `secret` and `routing_key` go only into requests, and its
+URL (a Slack or generic webhook URL carries its token in the path) is shown in messages, the
+`failed/` records and the store's alert actions as `scheme://host:port/...` (`shown_url`).
+https URLs are verified against the system's CAs, or the receiver's `ca_file`. The outbox
+directory is readable by its owner only (0700).
+
 Delivery is at least once: a controller that ends between a receiver's answer and the `sent/`
 marker sends that one delivery again on restart (Alertmanager and PagerDuty merge it by its
 labels or dedup_key). Markers in `sent/` and `failed/` are never removed here. This module never
@@ -63,9 +69,11 @@ import os
 import queue
 import random
 import re
+import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -170,6 +178,9 @@ class Receiver(msgspec.Struct, frozen=True, kw_only=True):
     """The key that signs the body (kind webhook only, required there)."""
     timeout_s: float = 5.0
     """How long to wait for the receiver to connect, and for each read of its answer."""
+    ca_file: str = ""
+    """A PEM file of the CAs that an https:// receiver's certificate is checked against instead
+    of the system's ("": the system's). Certificates are always checked."""
     jobs: tuple[str, ...] = ()
     """The jobs whose alerts it takes: shell-style patterns of job ids (`exp-*`); none: every
     job. A global receivers file ($TRACEHOUND_ALERTS) routes per job this way."""
@@ -245,7 +256,25 @@ def alert_action(settled: Settled) -> Action:
 # -- configuration ----------------------------------------------------------------------------
 
 _RECEIVER_FIELDS = frozenset(("name", "kind", "url", "routing_key", "secret", "timeout_s",
-                              "jobs"))
+                              "jobs", "ca_file"))
+
+
+def shown_url(url: str) -> str:
+    """`url` as messages show it: scheme, host and port, and `/...` for a path or query (a
+    Slack or generic webhook URL carries its token there), never user info."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # an unclosed [ of an IPv6 host; the message may quote the URL's secrets
+        return "?"
+    try:
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        host, port = "?", ""
+    if ":" in host:
+        host = f"[{host}]"
+    rest = "/..." if parts.path.strip("/") or parts.query else ""
+    return f"{parts.scheme}://{host}{port}{rest}"
 
 
 def load_receivers(path: str | os.PathLike[str]) -> list[Receiver]:
@@ -325,7 +354,13 @@ def _receiver(entry: object, at: str) -> Receiver:
         raise AlertConfigError(f"{at}.url: required")
     scheme, _, rest = url.partition("://")
     if scheme.lower() not in ("http", "https") or not rest or rest.startswith("/"):
-        raise AlertConfigError(f"{at}.url: expected an http:// or https:// URL, got {url!r}")
+        raise AlertConfigError(
+            f"{at}.url: expected an http:// or https:// URL, got {shown_url(url)!r}")
+    ca_file = text("ca_file")
+    if ca_file and scheme.lower() != "https":
+        raise AlertConfigError(f"{at}.ca_file: only for an https:// url")
+    if ca_file and not os.path.isfile(ca_file):
+        raise AlertConfigError(f"{at}.ca_file: {ca_file!r} is not a file")
     routing_key, secret = text("routing_key"), text("secret")
     if kind == "pagerduty" and not routing_key:
         raise AlertConfigError(f"{at}.routing_key: required for kind pagerduty")
@@ -347,7 +382,7 @@ def _receiver(entry: object, at: str) -> Receiver:
         raise AlertConfigError(
             f"{at}.jobs: expected a list of job id patterns (`exp-*`), got {jobs!r}")
     return Receiver(name=name, kind=kind, url=url, routing_key=routing_key, secret=secret,
-                    timeout_s=float(timeout), jobs=tuple(jobs))
+                    timeout_s=float(timeout), jobs=tuple(jobs), ca_file=ca_file)
 
 
 def merge_receivers(*found: tuple[str, Sequence[Receiver]]) -> list[Receiver]:
@@ -561,6 +596,8 @@ class Outbox:
         self._seq = 0
         self.unreadable = 0
         """Pending files that could not be read and were moved to `failed/`."""
+        _make_dir(self.directory)
+        os.chmod(self.directory, 0o700)  # alerts name jobs, nodes and what failed: owner only
         for sub in ("pending", "sent", "failed"):
             _make_dir(self.directory / sub)
         self._recover()
@@ -741,7 +778,8 @@ class Dispatcher:
         self._states: dict[str, BackoffState] = {}
         self._next_try: dict[str, float] = {}
         """receiver -> when (on `clock`) its next try may start."""
-        self._opener = urllib.request.build_opener(_NoRedirect())
+        self._openers: dict[str, urllib.request.OpenerDirector] = {}
+        """ca_file ("" for the system's CAs) -> the opener whose https checks against it."""
         self._counts_lock = threading.Lock()
         self._delivered = 0
         self._retries = 0
@@ -874,24 +912,42 @@ class Dispatcher:
         body, headers = render(receiver, alert, now_s=self._wall_clock())
         request = urllib.request.Request(  # noqa: S310 (http(s) checked by load_receivers)
             receiver.url, data=body, headers=headers, method="POST")
+        shown = shown_url(receiver.url)
         try:
-            with self._opener.open(request, timeout=receiver.timeout_s) as response:
+            with self._opener(receiver).open(request, timeout=receiver.timeout_s) as response:
                 response.read(65536)
                 status = int(response.status)
         except urllib.error.HTTPError as exc:
             with exc:
                 detail = _snippet(exc)
-            message = f"HTTP {exc.code} from {receiver.url}{detail}"
+            message = f"HTTP {exc.code} from {shown}{detail}"
             if _is_temporary(exc.code):
                 wait = retry_after_s(exc.headers.get("Retry-After"), now_s=self._wall_clock())
                 raise TemporaryDeliveryError(message, retry_after=wait) from exc
             raise PermanentDeliveryError(message) from exc
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
+            if isinstance(reason, ssl.SSLCertVerificationError):
+                # kept and tried again (a receiver renews an expired certificate, an operator
+                # adds the ca_file and restarts): nothing is lost meanwhile
+                raise TemporaryDeliveryError(
+                    f"{shown}: TLS certificate not trusted ({reason.verify_message or reason}); "
+                    "name its CA in the receiver's ca_file") from exc
             raise TemporaryDeliveryError(
-                f"{receiver.url} unreachable: {type(reason).__name__}: {reason}") from exc
+                f"{shown} unreachable: {type(reason).__name__}: {reason}") from exc
         if not 200 <= status < 300:
-            raise PermanentDeliveryError(f"HTTP {status} from {receiver.url}")
+            raise PermanentDeliveryError(f"HTTP {status} from {shown}")
+
+    def _opener(self, receiver: Receiver) -> urllib.request.OpenerDirector:
+        """An opener that follows no redirect and checks https certificates against the
+        system's CAs or the receiver's `ca_file` (one per CA file, made on first use)."""
+        opener = self._openers.get(receiver.ca_file)
+        if opener is None:
+            context = ssl.create_default_context(cafile=receiver.ca_file or None)
+            opener = urllib.request.build_opener(
+                _NoRedirect(), urllib.request.HTTPSHandler(context=context))
+            self._openers[receiver.ca_file] = opener
+        return opener
 
     # -- the thread
 

@@ -47,6 +47,7 @@ from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.settings import TRACEHOUND_ALERTS
+from tracehound.tracing.store.urls import mask_url
 
 EPILOG_RUN = """\
 Every rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), so a
@@ -429,8 +430,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"wrote job {job}: {args.ranks} ranks on {written['nodes']} nodes, "
               f"{written['collectives']} collective events, injected {written['truth']['kind']} "
               f"({truth.variant or '-'}) at ranks {list(truth.culprit_ranks)[:8]} to {shown}")
-        print(f"now: tracehound diagnose --job {job}" + (f" --store {args.store}"
-                                                          if args.store else ""))
+        print(f"now: tracehound diagnose --job {job}"
+              + (f" --store {mask_url(args.store)}" if args.store else ""))
     return 0
 
 

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 from tracehound.controller.local import recorder_env
 from tracehound.tracing import settings as env
 from tracehound.tracing.ids import JobId
+from tracehound.tracing.store.urls import mask_url
 
 EPILOG_AGENT = """\
 examples:
@@ -130,11 +131,13 @@ def cmd_instrument(args: argparse.Namespace) -> int:
     with store_session(args.store) as session:
         agent_cmd = [sys.executable, "-m", "tracehound.agent.node", "--job", job,
                      "--node", node, "--socket", sock, "--spool", str(workdir / "spool"),
-                     "--sink", session.sink, "--gpu", gpu,
-                     "--stats-file", str(workdir / "agent-stats.json")]
+                     "--gpu", gpu, "--stats-file", str(workdir / "agent-stats.json")]
         with open(workdir / "agent.log", "ab") as agent_log:
+            # the sink (it may hold the store's password) in the environment, not on the
+            # command line that `ps` shows everybody
             agent = subprocess.Popen(agent_cmd, stdout=agent_log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     env={**os.environ, env.TRACEHOUND_SINK: session.sink})
         try:
             code = _run_command(command, recorder_env(job=job, node=node, socket_path=sock))
         finally:
@@ -154,7 +157,7 @@ def cmd_instrument(args: argparse.Namespace) -> int:
                 verdict = outcome
                 if not args.json:
                     print(format_verdict(outcome), file=sys.stderr)
-        url = session.url
+        url = mask_url(session.url)
     if args.json:
         print(json.dumps({"job": job, "node": node, "store": url, "exit_status": code,
                           "agent": stats, "diagnosis": verdict}, default=str))

@@ -212,10 +212,13 @@ class LocalOrchestrator:
         out = open(logdir / f"agent-{node}.log", "ab")  # noqa: SIM115 - closed with the process
         cmd = [
             sys.executable, "-m", "tracehound.agent.node", "--job", plan.job, "--node", node,
-            "--socket", str(sock), "--spool", str(spool), "--sink", self.sink,
+            "--socket", str(sock), "--spool", str(spool),
         ]
+        # the sink (a clickhouse:// URL may hold a password) goes in the environment, which only
+        # the agent's user can read, not on the command line that `ps` shows everybody
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self._agent_env}
+            cmd, stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, **self._agent_env, env.TRACEHOUND_SINK: self.sink},
         )
         out.close()
         self._agents[node] = proc

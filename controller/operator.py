@@ -61,6 +61,7 @@ from tracehound.controller.trainingjob import (
 from tracehound.tracing.events import JobPhase, JobState
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore, open_store
+from tracehound.tracing.store.urls import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -484,7 +485,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tracehound operator: {exc}", file=sys.stderr)
         return 2
-    log.info("operator: store %s, namespaces %s", config.store_url,
+    log.info("operator: store %s, namespaces %s", mask_url(config.store_url),
              ", ".join(config.namespaces) or "all")
     run_operator(config, liveness=args.liveness)
     return 0

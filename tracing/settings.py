@@ -70,6 +70,12 @@ TRACEHOUND_SINK = "TRACEHOUND_SINK"
 """Where a node agent ships batches: a clickhouse:// store URL, or the http:// ingest endpoint of
 the process that owns an embedded store. The node agent's --sink, when that is not given."""
 
+TRACEHOUND_INGEST_TOKEN = "TRACEHOUND_INGEST_TOKEN"  # noqa: S105 - the variable's name
+"""Shared secret of the ingest endpoint of an embedded store: node agents send it
+(`Authorization: Bearer <token>`), the endpoint answers 401 without it. Required for an endpoint
+that listens on an address other than loopback; unset: an endpoint on loopback takes any local
+caller."""
+
 TRACEHOUND_SPOOL_DIR = "TRACEHOUND_SPOOL_DIR"
 """Directory where a node agent keeps records until the store has them. The node agent's
 --spool, when that is not given."""

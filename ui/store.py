@@ -4,7 +4,8 @@ Streamlit runs the script again for every interaction, in threads of one process
 opened once and shared (stores are thread-safe). An embedded store's directory can be held by
 one process only, so a dashboard pointed at the directory of a running `tracehound run` cannot
 open it: it says so, and points at a ClickHouse server for live views. The store is opened
-without creating anything (read-only use); a store switched to another URL closes the old one.
+without creating anything, and a server store read-only (ClickHouse's `readonly=2` on every
+query: the server refuses any write); a store switched to another URL closes the old one.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def shared_store(url: str | None) -> Opened:
         if _current is not None and _current.store is not None:
             _current.store.close()
         try:
-            _current = Opened(url, open_store(url, create=False))
+            _current = Opened(url, open_store(url, create=False, read_only=True))
         except StoreError as exc:
             hint = (" An embedded store is held by the process that writes it (a running "
                     "`tracehound run` or `tracehound demo`): look again when it ends, or use a "

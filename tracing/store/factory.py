@@ -8,8 +8,11 @@ from tracehound.tracing.store.port import TraceStore
 from tracehound.tracing.store.urls import default_store_url, mask_url
 
 
-def open_store(url: str | None = None, *, create: bool = True) -> TraceStore:
-    """Open the store a URL names (the embedded default when None) and make sure its schema exists.
+def open_store(url: str | None = None, *, create: bool = True, read_only: bool = False
+               ) -> TraceStore:
+    """Open the store a URL names (the embedded default when None) and make sure its schema exists
+    (unless not `create`). `read_only` (a server store only): the server refuses every write
+    from it (the dashboard's store).
 
     Raises StoreConfigError for a malformed URL and TemporaryStoreError for a server that does not
     answer, both naming the URL."""
@@ -17,7 +20,7 @@ def open_store(url: str | None = None, *, create: bool = True) -> TraceStore:
     if url.startswith("clickhouse://"):
         from tracehound.tracing.store.server import ClickHouseServerStore
 
-        store: TraceStore = ClickHouseServerStore(url)
+        store: TraceStore = ClickHouseServerStore(url, read_only=read_only)
     elif url.startswith("chdb://"):
         from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
 

@@ -10,14 +10,21 @@ controller) runs an `IngestServer` and node agents `post_batch` to it:
     503 {"error": "..."}      the store is temporarily unavailable; Retry-After says when to retry
     500 {"error": "..."}      the store refused the batch for good
 
+    401 {"error": "..."}      no or a wrong token (when the endpoint has one)
+
 Bad records inside a well-formed batch are rejected one by one (and counted in `rejected_total`),
-the good ones are stored. The server listens on 127.0.0.1 unless told otherwise; it must never
-run store work on the caller's thread of `start()`/`stop()`, and never lets a request handler's
-exception kill the server.
+the good ones are stored. The server listens on 127.0.0.1 unless told otherwise. With a token
+($TRACEHOUND_INGEST_TOKEN, or `token=`) every request must carry `Authorization: Bearer <token>`
+(compared in constant time; `post_body` sends the same variable's token); an endpoint on an
+address other than loopback refuses to start without one. It must never run store work on the
+caller's thread of `start()`/`stop()`, and never lets a request handler's exception kill the
+server.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -31,8 +38,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
-from tracehound.tracing.errors import PermanentStoreError, StoreError, TemporaryStoreError
+from tracehound.tracing.errors import (
+    PermanentStoreError,
+    StoreConfigError,
+    StoreError,
+    TemporaryStoreError,
+)
 from tracehound.tracing.events import Batch
+from tracehound.tracing.settings import TRACEHOUND_INGEST_TOKEN, env_str
 from tracehound.tracing.store.port import TraceStore
 from tracehound.tracing.wire import InvalidRecord, Rejection, decode_batch, encode_batch
 
@@ -43,6 +56,18 @@ CLOCK_HEADER = "X-Tracehound-Clock"
 """`<received_us>,<replied_us>` on the ingest endpoint's clock, in every answer to a POST."""
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest batch body accepted (413 above it)."""
+AUTH_HEADER = "Authorization"
+"""`Bearer <token>` on every request to an endpoint that has a token."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") can be reached from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name (or "" for every address) may be reachable from anywhere
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +128,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self._received_us = time.time_ns() // 1000
+        if not self.server.ingest.authorized(self.headers.get(AUTH_HEADER)):
+            self._discard_body()
+            self._reply(HTTPStatus.UNAUTHORIZED,
+                        {"error": f"this ingest endpoint needs the token of "
+                                  f"${TRACEHOUND_INGEST_TOKEN} (Authorization: Bearer ...)"},
+                        {"WWW-Authenticate": "Bearer"})
+            return
         parts = urlsplit(self.path)
         if parts.path != BATCHES_PATH:
             self._discard_body()
@@ -139,11 +171,23 @@ class _Server(ThreadingHTTPServer):
 
 
 class IngestServer:
-    """An HTTP endpoint that writes posted batches into `store`, served from a daemon thread."""
+    """An HTTP endpoint that writes posted batches into `store`, served from a daemon thread.
 
-    def __init__(self, store: TraceStore, host: str = "127.0.0.1", port: int = 0) -> None:
+    `token` (default: $TRACEHOUND_INGEST_TOKEN, none when unset) is required of every request;
+    StoreConfigError for a `host` other than loopback without one."""
+
+    def __init__(self, store: TraceStore, host: str = "127.0.0.1", port: int = 0, *,
+                 token: str | None = None) -> None:
         self.store = store
         self._address = (host, port)
+        self._token = (token if token is not None else env_str(TRACEHOUND_INGEST_TOKEN)).encode()
+        if not self._token and not is_loopback(host):
+            raise StoreConfigError(
+                f"the ingest endpoint would listen on {host or 'every address'!r}, beyond this "
+                f"machine, without a token: set ${TRACEHOUND_INGEST_TOKEN} (on the endpoint and "
+                "on every node agent) or listen on 127.0.0.1")
+        self.unauthorized_total = 0
+        """Requests refused for a missing or wrong token."""
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._counts_lock = threading.Lock()
@@ -174,6 +218,20 @@ class IngestServer:
         self._thread.start()
         logger.info("ingest endpoint listening at %s for %s", self.url, self.store.url)
         return self
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether a request with this `Authorization` header may post (always, without a
+        token); the token is compared in constant time."""
+        if not self._token:
+            return True
+        given = (header or "").strip()
+        scheme, _, value = given.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
+                                                                self._token)
+        if not ok:
+            with self._counts_lock:
+                self.unauthorized_total += 1
+        return ok
 
     def stop(self) -> None:
         server, thread = self._server, self._thread
@@ -255,30 +313,34 @@ def _exchange(sent_us: int, header: str) -> ClockExchange | None:
                          replied_us=int(parts[1]), answered_us=answered)
 
 
-def post_batch(url: str, batch: Batch, *, maybe_duplicate: bool, timeout: float = 5.0
-               ) -> IngestResult:
+def post_batch(url: str, batch: Batch, *, maybe_duplicate: bool, timeout: float = 5.0,
+               token: str | None = None) -> IngestResult:
     """Post a batch to an ingest endpoint (`http://host:port`) and say what it did (see
     `post_body`)."""
     return post_body(url, encode_batch(batch), batch.batch_id, maybe_duplicate=maybe_duplicate,
-                     timeout=timeout)
+                     timeout=timeout, token=token)
 
 
 def post_body(url: str, body: bytes, batch_id: str, *, maybe_duplicate: bool,
-              timeout: float = 5.0) -> IngestResult:
+              timeout: float = 5.0, token: str | None = None) -> IngestResult:
     """Post a batch already in its wire form (`body`, as `tracing.wire` writes it) to an ingest
-    endpoint (`http://host:port`) and say what it did.
+    endpoint (`http://host:port`) and say what it did. `token` (default:
+    $TRACEHOUND_INGEST_TOKEN; none when unset) goes in the `Authorization` header.
 
     Raises TemporaryStoreError when the endpoint cannot be reached, times out or answers 503 (or
-    another 5xx but 500), with `retry_after` from the answer; PermanentStoreError when it refuses
-    the batch (4xx, 500)."""
+    another 5xx but 500), with `retry_after` from the answer; StoreConfigError when it refuses
+    the token (401: retry once the token is right); PermanentStoreError when it refuses the
+    batch (another 4xx, 500)."""
     endpoint = _endpoint(url)
     target = endpoint + ("?maybe_duplicate=1" if maybe_duplicate else "")
     if urlsplit(target).scheme not in ("http", "https"):
         raise PermanentStoreError(f"ingest URL {url!r}: expected http://host:port")
+    headers = {"Content-Type": "application/json"}
+    token = token if token is not None else env_str(TRACEHOUND_INGEST_TOKEN)
+    if token:
+        headers[AUTH_HEADER] = f"Bearer {token}"
     request = urllib.request.Request(  # noqa: S310 (scheme checked above)
-        target, data=body, method="POST",
-        headers={"Content-Type": "application/json"},
-    )
+        target, data=body, method="POST", headers=headers)
     sent = time.time_ns() // 1000
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310
@@ -288,6 +350,11 @@ def post_body(url: str, body: bytes, batch_id: str, *, maybe_duplicate: bool,
         body = exc.read()
         status = exc.code
         reason = _error_text(body)
+        if status == HTTPStatus.UNAUTHORIZED:
+            # not the batch's fault: it stays spooled and is sent again once the token is right
+            raise StoreConfigError(
+                f"ingest endpoint {endpoint} refused batch {batch_id}: no or a wrong token "
+                f"(${TRACEHOUND_INGEST_TOKEN}): {reason}") from exc
         if status == HTTPStatus.INTERNAL_SERVER_ERROR or 400 <= status < 500:
             raise PermanentStoreError(
                 f"ingest endpoint {endpoint} refused batch {batch_id} ({status}): {reason}"

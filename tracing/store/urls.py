@@ -6,6 +6,9 @@
   tables over them (`store.cluster`). The shards' tables are created with `ON CLUSTER` DDL,
   which needs the cluster's ZooKeeper; add `&ddl=per_shard` on a cluster without one, and the
   store creates them on each replica `system.clusters` names, over its own connections.
+- `clickhouse://user:password@host:9440/database?secure=1`: over TLS (the server's
+  `tcp_port_secure`), the certificate checked against the system's CAs, or against the CA file
+  of `&ca_certs=/path/ca.pem`; `&verify=0` turns the check off (a test server only).
 - `chdb:///path/to/dir` (or `chdb://./relative/dir`): ClickHouse embedded in this process
   (`store.embedded`), the zero-setup default on one machine.
 """
@@ -55,6 +58,17 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TlsSpec:
+    """TLS to a ClickHouse server (`?secure=1[&verify=0][&ca_certs=/path/ca.pem]`): passed to
+    clickhouse-driver as `secure=True, verify=..., ca_certs=...`."""
+
+    verify: bool = True
+    """Check the server's certificate and host name (off only with `verify=0`)."""
+    ca_certs: str | None = None
+    """A PEM file of the CAs to trust instead of the system's."""
+
+
+@dataclass(frozen=True, slots=True)
 class ServerAddress:
     host: str
     port: int
@@ -63,22 +77,25 @@ class ServerAddress:
     database: str
     cluster: ClusterSpec | None = None
     """The cluster the store spreads its tables over, None for tables on this server alone."""
+    tls: TlsSpec | None = None
+    """How to speak TLS to the server (`?secure=1`), None for a plain connection."""
 
 
 _CLUSTER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-_URL_PARAMETERS = ("cluster", "ddl")
+_URL_PARAMETERS = ("cluster", "ddl", "secure", "verify", "ca_certs")
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
-def _cluster_of(query: str, shown: str) -> ClusterSpec | None:
-    """The cluster named by a server URL's query string, or None; StoreConfigError naming the
-    parameter for anything else (an unknown parameter is refused rather than ignored, so a
-    misspelt `?clustr=` cannot silently give a single-server store)."""
+def _parameters(query: str, shown: str) -> dict[str, list[str]]:
+    """A server URL's query parameters; StoreConfigError naming the parameter for anything
+    unknown (an unknown parameter is refused rather than ignored, so a misspelt `?clustr=` or
+    `?secur=1` cannot silently give a single-server or a plain-text store)."""
     try:
         values = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
         raise StoreConfigError(
             f"store URL {shown!r}: cannot read its parameters {query!r}: expected "
-            "?cluster=NAME or ?cluster=NAME&ddl=per_shard"
+            "?cluster=NAME, ?cluster=NAME&ddl=per_shard or ?secure=1"
         ) from None
     for name, given in values.items():
         if name not in _URL_PARAMETERS:
@@ -89,6 +106,37 @@ def _cluster_of(query: str, shown: str) -> ClusterSpec | None:
         if len(given) > 1:
             raise StoreConfigError(f"store URL {shown!r}: parameter {name!r} is given "
                                    f"{len(given)} times; expected it once")
+    return values
+
+
+def _flag(values: dict[str, list[str]], name: str, shown: str, default: bool) -> bool:
+    raw = values.get(name, [""])[0].strip().lower()
+    if not raw:
+        return default
+    if raw not in _FLAGS:
+        raise StoreConfigError(f"store URL {shown!r}: parameter {name!r} is {raw!r}; "
+                               "expected 1 or 0")
+    return _FLAGS[raw]
+
+
+def _tls_of(values: dict[str, list[str]], shown: str) -> TlsSpec | None:
+    """The TLS a server URL asks for (`secure=1`, `verify`, `ca_certs`), or None."""
+    secure = _flag(values, "secure", shown, False)
+    if not secure:
+        for name in ("verify", "ca_certs"):
+            if name in values:
+                raise StoreConfigError(f"store URL {shown!r}: parameter {name!r} needs TLS: "
+                                       f"expected ?secure=1&{name}=...")
+        return None
+    ca_certs = values.get("ca_certs", [""])[0] or None
+    if ca_certs is not None and not os.path.isfile(ca_certs):
+        raise StoreConfigError(f"store URL {shown!r}: ca_certs file {ca_certs!r} does not exist")
+    return TlsSpec(verify=_flag(values, "verify", shown, True), ca_certs=ca_certs)
+
+
+def _cluster_of(values: dict[str, list[str]], shown: str) -> ClusterSpec | None:
+    """The cluster named by a server URL's parameters, or None; StoreConfigError naming the
+    parameter when it cannot be used."""
     if "cluster" not in values:
         if "ddl" in values:
             raise StoreConfigError(f"store URL {shown!r}: parameter 'ddl' needs a cluster: "
@@ -130,13 +178,15 @@ def parse_server_url(url: str) -> ServerAddress:
         raise StoreConfigError(
             f"store URL {shown!r}: database name {database!r} may hold only letters, digits and _"
         )
+    values = _parameters(parts.query, shown)
     return ServerAddress(
         host=parts.hostname,
         port=port,
         user=unquote(parts.username or "default"),
         password=unquote(parts.password or ""),
         database=database,
-        cluster=_cluster_of(parts.query, shown),
+        cluster=_cluster_of(values, shown),
+        tls=_tls_of(values, shown),
     )
 
 
