@@ -392,6 +392,7 @@ def load_harness() -> Any:
     if spec is None or spec.loader is None:
         raise RuntimeError("tests/clickhouse_harness.py not found")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
