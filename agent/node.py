@@ -114,8 +114,11 @@ def make_sink(url: str) -> BatchSink:
 
         parse_server_url(url)  # a malformed URL fails now, not in the shipper thread
         return StoreSink(factory=lambda: open_store(url))
+    from tracehound.tracing.store.urls import mask_url
+
     raise StoreConfigError(
-        f"sink URL {url!r}: expected clickhouse://user:pass@host:9000/db or http://host:port"
+        f"sink URL {mask_url(url)!r}: expected clickhouse://user:pass@host:9000/db or "
+        "http://host:port"
     )
 
 

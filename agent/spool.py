@@ -215,8 +215,14 @@ class _CutShort(OSError):
         self.whole_lines = whole_lines
 
 
+def _private(path: str, flags: int) -> int:
+    """`open`'s opener for the spool's files: created readable by the agent's user only."""
+    return os.open(path, flags, 0o600)
+
+
 class Spool:
-    """Segment files in one directory; safe to append from several threads."""
+    """Segment files in one directory (0700, its files 0600); safe to append from several
+    threads."""
 
     def __init__(
         self,
@@ -232,6 +238,7 @@ class Spool:
         spool counts as writable again (see the module docstring)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)  # the job's records, names and stacks: the agent's only
         self.node = node
         self.seal_records = seal_records
         self.seal_interval_s = seal_interval_s
@@ -272,7 +279,7 @@ class Spool:
             pass
         value = uuid.uuid4().hex
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as handle:
+        with open(tmp, "w", opener=_private) as handle:
             handle.write(value + "\n")
             handle.flush()
             os.fsync(handle.fileno())
@@ -463,7 +470,7 @@ class Spool:
         return self.path(number, _INFLIGHT).exists()
 
     def mark_in_flight(self, number: int) -> None:
-        with open(self.path(number, _INFLIGHT), "wb") as handle:
+        with open(self.path(number, _INFLIGHT), "wb", opener=_private) as handle:
             handle.flush()
             os.fsync(handle.fileno())
         self._fsync_dir()
@@ -477,7 +484,7 @@ class Spool:
     def set_aside(self, number: int) -> Path:
         """Move a segment the sink refused for good to `rejected/`."""
         target_dir = self.directory / "rejected"
-        target_dir.mkdir(exist_ok=True)
+        target_dir.mkdir(mode=0o700, exist_ok=True)
         target = target_dir / self.path(number, _SEALED).name
         os.replace(self.path(number, _SEALED), target)
         self.path(number, _INFLIGHT).unlink(missing_ok=True)
