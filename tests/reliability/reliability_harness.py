@@ -140,6 +140,32 @@ def kill_all(procs: Iterable[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
+def end_run(proc: subprocess.Popen[str], job_dir: Path, timeout: float = 60.0) -> None:
+    """Make sure a `tracehound run` and what it started are gone: SIGTERM the controller (it
+    stops its ranks and node agents), then SIGKILL any rank or agent its attempt files still
+    name (ranks and agents outlive a killed controller), if it is the process it names."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+    for noted in job_dir.glob("attempts/attempt-*.json"):
+        try:
+            entries = json.loads(noted.read_text())
+        except (OSError, ValueError):
+            continue
+        for entry in [*entries.get("ranks", []), *entries.get("agents", [])]:
+            pid, start = entry.get("pid"), entry.get("start")
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(stat[19]) == start:
+                os.kill(pid, signal.SIGKILL)
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time a process has used so far (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

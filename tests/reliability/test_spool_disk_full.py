@@ -1,12 +1,12 @@
 """The node agent's spool disk fills up while a real job trains.
 
 The spool lives on a 2 MiB tmpfs mounted for the test (root in this container may mount; where it
-may not, the agent runs under a small wrapper that makes the spool module's `os.write` fail with
-ENOSPC once the spool directory holds 2 MiB: the same error at the same call, injected). The
-agent (`tracehound agent`, its own health and process sources off so that every record it
-spools comes from the ranks) ships to a ClickHouse server that is not there yet, so the spool
-grows until the disk is full. It stays full for a while, training on; then the server starts,
-the spool drains, and the job finishes. Afterwards:
+may not, or with TRACEHOUND_TEST_NO_MOUNT=1, the agent runs under a small wrapper that makes the
+spool module's `os.write` fail with ENOSPC once the spool directory holds 2 MiB: the same error
+at the same call, injected). The agent (`tracehound agent`, its own health and process sources
+off so that every record it spools comes from the ranks) ships to a ClickHouse server that is
+not there yet, so the spool grows until the disk is full. It stays full for a while, training
+on; then the server starts, the spool drains, and the job finishes. Afterwards:
 
 - a clear error: the agent logged the failure once, at ERROR, with the spool path and the errno
   (28, ENOSPC), once that it could write again, and its stats file carries the dropped count,
@@ -259,9 +259,16 @@ def test_a_full_disk_leaves_no_empty_segments_behind(
     assert spool.stats.spool_dropped == 50 and spool.sealed() == []
 
 
+NO_MOUNT_ENV = "TRACEHOUND_TEST_NO_MOUNT"
+"""Set to 1 to take the injected-ENOSPC path even where the test could mount."""
+
+
 def mount_tmpfs(directory: Path) -> bool:
-    """A tmpfs of DISK_BYTES at `directory`; False when this host does not let the test mount."""
+    """A tmpfs of DISK_BYTES at `directory`; False when this host does not let the test mount
+    (or $TRACEHOUND_TEST_NO_MOUNT=1)."""
     directory.mkdir(parents=True)
+    if os.environ.get(NO_MOUNT_ENV) == "1":
+        return False
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs",
                            str(directory)], capture_output=True, text=True, check=False)
     return done.returncode == 0
