@@ -14,6 +14,7 @@ import sys
 
 import streamlit as st
 
+from tracehound.tracing.errors import StoreError
 from tracehound.ui import views
 from tracehound.ui.store import shared_store
 
@@ -36,7 +37,11 @@ def main() -> None:
         st.text(opened.error)
         return
     assert opened.store is not None
-    views.render(opened.store, refresh_s=max(args.refresh, 1.0))
+    try:
+        views.render(opened.store, refresh_s=max(args.refresh, 1.0))
+    except StoreError as exc:  # the server went away, refused the login, ...: say so, plainly
+        st.error("The trace store cannot be read now; the page tries again when reloaded.")
+        st.text(f"{opened.store.url}: {exc}")
 
 
 main()

@@ -163,6 +163,19 @@ def test_stored_text_is_never_markup(sim_store: FilledStore,
 
 
 @pytest.mark.clickhouse_server
+def test_a_store_that_refuses_the_login_is_a_plain_error(clickhouse_url: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(clickhouse_url)
+    url = parts._replace(netloc=f"nobody:Sekr3tPw@{parts.hostname}:{parts.port}").geturl()
+    at = app(url, "jobs", monkeypatch)
+    shown = "\n".join(texts(at))
+    assert "The trace store cannot be" in shown
+    assert "Sekr3tPw" not in shown and "nobody:***@" in shown
+
+
+@pytest.mark.clickhouse_server
 def test_views_work_on_a_clickhouse_server(clickhouse_url: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     url = database_url(clickhouse_url, f"tracehound_ui{uuid.uuid4().hex[:10]}")
