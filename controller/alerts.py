@@ -69,6 +69,7 @@ import os
 import queue
 import random
 import re
+import reprlib
 import ssl
 import threading
 import time
@@ -115,6 +116,17 @@ _SIGNATURE = re.compile(r"v1=([0-9a-f]{64})")
 
 
 # -- errors -----------------------------------------------------------------------------------
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 200, 200, 200
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 10
+
+
+def _shown(value: object) -> str:
+    """`repr(value)` cut short: a YAML document's aliases can make a value of a few lines
+    stand for billions of elements ("billion laughs"), which a plain repr would spell out."""
+    return _SHOWN.repr(value)
+
 
 class AlertError(Exception):
     """Any failure of alert configuration or delivery."""
@@ -292,6 +304,12 @@ def load_receivers(path: str | os.PathLike[str]) -> list[Receiver]:
         line = f" (line {mark.line + 1})" if mark is not None else ""
         raise AlertConfigError(f"{where}: not valid YAML or JSON{line}: "
                                f"{getattr(exc, 'problem', None) or exc}") from exc
+    except (ValueError, OverflowError, RecursionError) as exc:
+        # what PyYAML's constructors let through: a date such as 2024-13-01, an integer of more
+        # than 4300 digits, a document nested deeper than Python's recursion limit
+        raise AlertConfigError(f"{where}: not a usable YAML or JSON document: "
+                               f"{'nested too deep' if isinstance(exc, RecursionError) else exc}"
+                               ) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("receivers"), list):
         raise AlertConfigError(f'{where}: expected an object {{"receivers": [...]}}')
     receivers: list[Receiver] = []
@@ -330,7 +348,7 @@ def alert_for(incident: Incident, *, status: Status, at_us: int, link: str = "")
 def _receiver(entry: object, at: str) -> Receiver:
     if not isinstance(entry, dict):
         raise AlertConfigError(f"{at}: expected an object")
-    unknown = sorted(set(entry) - _RECEIVER_FIELDS)
+    unknown = sorted(str(key) for key in set(entry) - _RECEIVER_FIELDS)
     if unknown:
         raise AlertConfigError(
             f"{at}.{unknown[0]}: unknown field (known: {', '.join(sorted(_RECEIVER_FIELDS))})")
@@ -338,7 +356,7 @@ def _receiver(entry: object, at: str) -> Receiver:
     def text(field: str) -> str:
         value = entry.get(field, "")
         if not isinstance(value, str):
-            raise AlertConfigError(f"{at}.{field}: expected a string, got {value!r}")
+            raise AlertConfigError(f"{at}.{field}: expected a string, got {_shown(value)}")
         return value
 
     name = text("name")
@@ -371,16 +389,21 @@ def _receiver(entry: object, at: str) -> Receiver:
     if kind != "webhook" and secret:
         raise AlertConfigError(f"{at}.secret: only for kind webhook, not {kind}")
     timeout = entry.get("timeout_s", 5.0)
-    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout) or timeout <= 0):
-        raise AlertConfigError(f"{at}.timeout_s: expected a number of seconds > 0, got {timeout!r}")
+    try:
+        seconds = (math.nan if isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                   else float(timeout))
+    except OverflowError:  # an integer too large for a float
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise AlertConfigError(
+            f"{at}.timeout_s: expected a number of seconds > 0, got {_shown(timeout)}")
     jobs = entry.get("jobs", [])
     if isinstance(jobs, str):
         jobs = [jobs]
     if (not isinstance(jobs, list)
             or not all(isinstance(j, str) and j.strip() for j in jobs)):
         raise AlertConfigError(
-            f"{at}.jobs: expected a list of job id patterns (`exp-*`), got {jobs!r}")
+            f"{at}.jobs: expected a list of job id patterns (`exp-*`), got {_shown(jobs)}")
     return Receiver(name=name, kind=kind, url=url, routing_key=routing_key, secret=secret,
                     timeout_s=float(timeout), jobs=tuple(jobs), ca_file=ca_file)
 
