@@ -26,9 +26,10 @@ def open_store(url: str | None = None, *, create: bool = True, read_only: bool =
 
         store = EmbeddedClickHouseStore(url)
     else:
-        scheme = url.split("://", 1)[0] if "://" in url else url
+        shown = mask_url(url)
+        scheme = repr(shown.split("://", 1)[0]) if "://" in shown else "(no scheme://)"
         raise StoreConfigError(
-            f"store URL {mask_url(url)!r}: unknown scheme {scheme!r}; expected "
+            f"store URL {shown!r}: unknown scheme {scheme}; expected "
             "clickhouse://user:pass@host:9000/db or chdb:///path/to/dir"
         )
     if create:

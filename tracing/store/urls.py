@@ -27,13 +27,23 @@ DEFAULT_STORE_DIR = ".tracehound/store"
 """Where the embedded store lives when no URL is given (relative to the working directory)."""
 
 
+_USER_INFO = re.compile(r"(?P<head>[^:@]*:/*[^:@/]*:).*@", re.S)
+"""`scheme:[//]user:<password>@`, however malformed the rest: what `mask_url` hides when
+urlsplit cannot read the URL (`clickhouse://u:pw@[::1`) or finds no password in it
+(`clickhouse:u:pw@host`, a `//` missing)."""
+
+
 def mask_url(url: str) -> str:
-    """`url` with the password replaced by ***."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
+    """`url` with the password replaced by ***; never raises."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # an unclosed [ of an IPv6 host, a host that NFKC turns into / ? # @ :
+        password = None
+    if password is not None:
+        netloc = parts.netloc.replace(f":{password}@", ":***@", 1)
+        return parts._replace(netloc=netloc).geturl()
+    return _USER_INFO.sub(lambda m: f"{m['head']}***@", url, count=1)
 
 
 class ClusterDdl(StrEnum):
@@ -82,6 +92,8 @@ class ServerAddress:
 
 
 _CLUSTER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_DATABASE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""What `tracing.store.schema.check_identifier` takes (ASCII: `isalnum` also passes `é`)."""
 _URL_PARAMETERS = ("cluster", "ddl", "secure", "verify", "ca_certs")
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
@@ -161,8 +173,13 @@ def _cluster_of(values: dict[str, list[str]], shown: str) -> ClusterSpec | None:
 
 def parse_server_url(url: str) -> ServerAddress:
     """Split a `clickhouse://` URL, naming the part that is wrong when it cannot be used."""
-    parts = urlsplit(url)
     shown = mask_url(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # its message may quote the password
+        raise StoreConfigError(
+            f"store URL {shown!r} cannot be read: expected clickhouse://user:pass@host:9000/db "
+            "(an IPv6 host in [brackets], a host name of letters, digits, - and .)") from None
     if parts.scheme != "clickhouse":
         raise StoreConfigError(f"store URL {shown!r}: expected clickhouse://user:pass@host:9000/db")
     if not parts.hostname:
@@ -174,9 +191,10 @@ def parse_server_url(url: str) -> ServerAddress:
             f"store URL {shown!r} has a bad port: expected a number from 1 to 65535"
         ) from None
     database = parts.path.lstrip("/") or "tracehound"
-    if not database.replace("_", "").isalnum():
+    if not _DATABASE.fullmatch(database):
         raise StoreConfigError(
-            f"store URL {shown!r}: database name {database!r} may hold only letters, digits and _"
+            f"store URL {shown!r}: database name {database!r} may hold only letters, digits and "
+            "_, not starting with a digit"
         )
     values = _parameters(parts.query, shown)
     return ServerAddress(
@@ -197,6 +215,8 @@ def embedded_path(url: str) -> str:
     path = url[len("chdb://"):]
     if not path:
         raise StoreConfigError(f"store URL {url!r} names no directory: expected chdb:///path/to/dir")
+    if "\x00" in path:
+        raise StoreConfigError(f"store URL {url!r}: a directory name cannot hold a NUL character")
     return os.path.abspath(path)
 
 
