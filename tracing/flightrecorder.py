@@ -45,6 +45,7 @@ from tracehound.tracing.events import (
     now_us,
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
+from tracehound.tracing.kinds import MAX_TEXT, MAX_U64
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ NEWEST_VERSION = (2, 10)
 
 MAX_DUMP_BYTES = 1 << 30
 """Files larger than this are not read (a ring of 2,000 entries with frames is a few MB)."""
+
+MAX_WORLD = 1 << 20
+"""Ranks a dump may name are below this (a million; the largest jobs have a few hundred
+thousand): the job's ranks are enumerated, and a dump naming rank 10**10 would take all
+memory."""
 
 UNKNOWN_NODE = NodeId("unknown")
 """Dumps do not say which machine wrote them."""
@@ -202,7 +208,10 @@ class FrDump:
 
 
 def _version(raw: Any, source: str) -> tuple[int, int]:
-    text = str(raw)
+    try:
+        text = str(raw)
+    except ValueError:  # an integer of more than 4300 digits
+        text = f"an integer of {raw.bit_length()} bits"
     try:
         major, minor = (int(p) for p in text.split("."))
     except ValueError:
@@ -220,7 +229,7 @@ def _int(value: Any, default: int = 0) -> int:
         return default
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
         return default
 
 
@@ -230,16 +239,17 @@ def _ranks(text: Any, source: str, group: str) -> tuple[int, ...]:
     if isinstance(text, str):
         try:
             value = ast.literal_eval(text) if text.strip() else []
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            # TypeError: a set or dict display with a list in it; the last two: nested too deep
             raise DumpError(
                 f"{source}: pg_config of group {group!r} has ranks {text!r}; expected a list "
                 "such as \"[0, 1]\""
             ) from None
     if not isinstance(value, list | tuple) or not all(
-        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value
+        isinstance(r, int) and not isinstance(r, bool) and 0 <= r < MAX_WORLD for r in value
     ):
         raise DumpError(f"{source}: pg_config of group {group!r} has ranks {text!r}; expected "
-                        "a list of non-negative integers")
+                        f"a list of integers from 0 to {MAX_WORLD - 1}")
     return tuple(int(r) for r in value)
 
 
@@ -263,6 +273,10 @@ def _op_and_peers(name: str) -> tuple[str, str, int, int]:
 def _bytes_and_dtype(entry: Mapping[str, Any]) -> tuple[int, str]:
     sizes = entry.get("input_sizes") or []
     dtypes = entry.get("input_dtypes") or []
+    if not isinstance(sizes, list | tuple):
+        sizes = []
+    if not isinstance(dtypes, list | tuple):
+        dtypes = []
     total = 0
     for i, shape in enumerate(sizes):
         numel = 1
@@ -291,7 +305,7 @@ def _entry(raw: Any, source: str, index: int) -> FrEntry:
         group = str(pg_id)
     op, backend, src, dst = _op_and_peers(str(raw["profiling_name"]))
     nbytes, dtype = _bytes_and_dtype(raw)
-    return FrEntry(
+    entry = FrEntry(
         group=group, desc=desc, pg_id=pg_id, seq=_int(raw["collective_seq_id"]),
         p2p_seq=_int(raw.get("p2p_seq_id")), op_id=_int(raw.get("op_id")),
         record_id=_int(raw.get("record_id")), op=op,
@@ -299,6 +313,35 @@ def _entry(raw: Any, source: str, index: int) -> FrEntry:
         state=str(raw.get("state") or "scheduled"), created_ns=_int(raw["time_created_ns"]),
         completed_ns=_int(raw.get("time_discovered_completed_ns")),
     )
+    _check_fits(entry, source, index)
+    return entry
+
+
+def _short_text(text: str, source: str, what: str) -> str:
+    """`text` if it fits a record's text field (with room for what is added to a group name);
+    DumpError otherwise."""
+    if len(text) > MAX_TEXT // 2:
+        raise DumpError(f"{source}: a {what} of {len(text)} characters; expected at most "
+                        f"{MAX_TEXT // 2}")
+    return text
+
+
+def _check_fits(e: FrEntry, source: str, index: int) -> None:
+    """DumpError unless the entry's values fit the records it becomes (a negative time, a
+    size past 64 bits or an empty op name would make records no store takes)."""
+    numbers = (("collective_seq_id", e.seq), ("time_created_ns", e.created_ns),
+               ("time_discovered_completed_ns", e.completed_ns), ("input bytes", e.nbytes))
+    for name, value in numbers:
+        if not 0 <= value <= MAX_U64:
+            raise DumpError(f"{source}: entry {index} has {name} {value}; expected an integer "
+                            f"from 0 to {MAX_U64}")
+    if not e.op:
+        raise DumpError(f"{source}: entry {index} has a profiling_name that names no operation")
+    for name, text in (("process group", e.group), ("profiling_name", e.op),
+                       ("input_dtypes", e.dtype), ("process group desc", e.desc)):
+        if len(text) > MAX_TEXT // 2:
+            raise DumpError(f"{source}: entry {index} has a {name} of {len(text)} characters; "
+                            f"expected at most {MAX_TEXT // 2}")
 
 
 def parse_dump(raw: Any, *, source: str, dumped_at_us: int,
@@ -321,6 +364,9 @@ def parse_dump(raw: Any, *, source: str, dumped_at_us: int,
     else:
         raise DumpError(f"{source}: the dump has no `rank` key and the file name ends in no "
                         "rank number (torch names dumps PREFIX<rank>)")
+    if rank >= MAX_WORLD:
+        raise DumpError(f"{source}: rank {rank} (from the {rank_from}) is not below "
+                        f"{MAX_WORLD}, the most ranks this reader takes")
     entries_raw = raw.get("entries") or []
     if not isinstance(entries_raw, list | tuple):
         raise DumpError(f"{source}: entries is a {type(entries_raw).__name__}; expected a list")
@@ -336,17 +382,21 @@ def parse_dump(raw: Any, *, source: str, dumped_at_us: int,
         name = str(info.get("name") or key)
         if not name:
             continue  # gloo writes one empty placeholder
-        descs[name] = str(info.get("desc") or "")
+        descs[name] = _short_text(str(info.get("desc") or ""), source, "pg_config desc")
+        _short_text(name, source, "pg_config group name")
         ranks = _ranks(info.get("ranks", "[]"), source, name)
         if ranks:
             members[name] = ranks
     names_by_id = {str(e.pg_id): e.group for e in entries}
     status: dict[str, FrStatus] = {}
-    for key, st in (raw.get("pg_status") or {}).items():
-        if not isinstance(st, Mapping):
-            continue
+    pg_status = raw.get("pg_status") or {}
+    if not isinstance(pg_status, Mapping):
+        raise DumpError(f"{source}: pg_status is a {type(pg_status).__name__}; expected a dict")
+    for key, st in pg_status.items():
+        if not isinstance(st, Mapping) or not str(key):
+            continue  # not a group's status, or an empty placeholder like pg_config's
         name = str(key) if str(key) in members or str(key) in descs else names_by_id.get(
-            str(key), str(key))
+            str(key), _short_text(str(key), source, "pg_status group name"))
         status[name] = FrStatus(
             last_enqueued=_int(st.get("last_enqueued_collective"), -1),
             last_started=_int(st.get("last_started_collective"), -1),
@@ -371,8 +421,10 @@ def decode_bytes(data: bytes, source: str) -> Any:
     if head == b"{":
         try:
             return json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DumpError(f"{source}: corrupt JSON ({exc})") from exc
+        except (ValueError, RecursionError) as exc:
+            # ValueError: not JSON, not UTF-8, or an integer of more than 4300 digits
+            problem = "nested too deep" if isinstance(exc, RecursionError) else exc
+            raise DumpError(f"{source}: corrupt JSON ({problem})") from exc
     raise NotADump(f"{source}: neither a pickle nor a JSON object")
 
 
