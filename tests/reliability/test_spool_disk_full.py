@@ -153,12 +153,12 @@ dist.destroy_process_group()
 '''
 
 ENOSPC_WRAPPER = r'''
-"""Runs `tracehound agent` with ENOSPC injected at the spool's writes once its directory holds
+"""Runs the node agent with ENOSPC injected at the spool's writes once its directory holds
 LIMIT bytes (for hosts where the test may not mount a small tmpfs)."""
 import errno, os, sys
 
 from tracehound.agent import spool as spool_module
-from tracehound.controller.cli import run
+from tracehound.agent.node import main
 
 directory, limit = sys.argv.pop(1), int(sys.argv.pop(1))
 real_write = os.write
@@ -181,7 +181,7 @@ class _Os:
 
 
 spool_module.os = _Os()
-run()
+sys.exit(main())  # what `tracehound agent` runs (it execs python -m tracehound.agent.node)
 '''
 
 
@@ -332,7 +332,8 @@ def test_full_spool_disk_drops_counted_records_logs_once_and_training_goes_on(
         wrapper = tmp_path / "enospc_agent.py"
         wrapper.write_text(ENOSPC_WRAPPER)
         spool.mkdir(parents=True)
-        command = [PYTHON, str(wrapper), str(spool), str(DISK_BYTES), *command[3:]]
+        assert command[3] == "agent"
+        command = [PYTHON, str(wrapper), str(spool), str(DISK_BYTES), *command[4:]]
     logs = tmp_path / "logs"
     logs.mkdir()
     agent_log = logs / "agent.log"
