@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ from tracehound.controller import (
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreError
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.settings import TRACEHOUND_ALERTS
+from tracehound.tracing.settings import TRACEHOUND_ALERTS, TRACEHOUND_INGEST_TOKEN
 from tracehound.tracing.store.urls import mask_url
 
 EPILOG_RUN = """\
@@ -245,9 +246,18 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=None, sort_keys=False))
 
 
+def _own_ingest_token() -> None:
+    """Give this run's loopback ingest endpoint a token of its own when none is configured:
+    the node agents it starts inherit it, and another user of the machine cannot post batches
+    into the job's store."""
+    if not os.environ.get(TRACEHOUND_INGEST_TOKEN):
+        os.environ[TRACEHOUND_INGEST_TOKEN] = secrets.token_urlsafe(24)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from tracehound.controller.demo import demo_ok, format_report, run_demo
 
+    _own_ingest_token()
     settings = _supervisor_settings(args, poll_s=0.25, timeout_s=600)
     if not args.json:
         print(f"tracehound demo: 2 nodes x 2 ranks + 1 spare; {args.fault} of rank {args.rank} "
@@ -269,6 +279,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tracehound.controller.session import store_session
     from tracehound.controller.supervisor import JobSpec, Supervisor
 
+    _own_ingest_token()
     script = Path(args.script)
     if not script.is_file():
         print(f"tracehound run: training script {args.script!r} does not exist", file=sys.stderr)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -119,3 +120,15 @@ def test_a_loopback_endpoint_without_a_token_takes_local_callers(embedded: Trace
         result = post_batch(server.url, batch("open/1"), maybe_duplicate=False)
         assert (result.inserted, result.skipped) == (3, 0)
         assert server.unauthorized_total == 0
+
+
+def test_run_and_demo_give_their_loopback_endpoint_a_token_of_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracehound.controller.cli import _own_ingest_token
+
+    monkeypatch.delenv("TRACEHOUND_INGEST_TOKEN", raising=False)
+    _own_ingest_token()
+    made = os.environ["TRACEHOUND_INGEST_TOKEN"]
+    assert len(made) >= 32
+    _own_ingest_token()  # a token already there (configured, or inherited) is kept
+    assert os.environ["TRACEHOUND_INGEST_TOKEN"] == made
