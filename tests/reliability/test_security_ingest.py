@@ -126,7 +126,9 @@ def test_run_and_demo_give_their_loopback_endpoint_a_token_of_their_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from tracehound.controller.cli import _own_ingest_token
 
-    monkeypatch.delenv("TRACEHOUND_INGEST_TOKEN", raising=False)
+    # set, then removed: the test's end restores the variable's state from before it
+    monkeypatch.setenv("TRACEHOUND_INGEST_TOKEN", "")
+    monkeypatch.delenv("TRACEHOUND_INGEST_TOKEN")
     _own_ingest_token()
     made = os.environ["TRACEHOUND_INGEST_TOKEN"]
     assert len(made) >= 32
