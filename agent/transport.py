@@ -201,6 +201,8 @@ class SocketTransport:
         while True:
             try:
                 if self._sock is None:
+                    if self._stop and not self._queue and not self._unsent:
+                        return  # closed with nothing left: no new connection for nothing
                     self._sock = self._connect()
                     if self._sock is None:
                         if self._stop:

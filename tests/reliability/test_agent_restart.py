@@ -212,8 +212,8 @@ class Listener:
                 self.lines.extend(lines)
                 conn.sendall(b"%d\n" % min(len(self.lines), self.ack_upto))
         finally:
+            self.server.close()  # first: the transport must not find it still listening
             conn.close()
-            self.server.close()
             self.done.set()
 
 
