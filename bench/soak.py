@@ -22,7 +22,8 @@ What is measured:
 - `memory`: the RSS of every process (agents, rank emitters, this process, the server when this
   run started it), sampled every `--sample-s`; per process kind: the worst process's start, max
   and end during the emission window, and the slope of its second half (`flat` when the second
-  half grows by less than max(2 MB, 2 %)). `max_rss_mb` is the max per kind.
+  half grows by less than max(2 MB, 2 %)), and its RSS at 11 evenly spaced points of the window
+  (`worst_series_mb`). `max_rss_mb` is the max per kind.
 - `ship_lag_ms`: a probe rank per agent (a job of its own, `<job>-probe`, through the same
   sockets, spools and shippers) records one collective a second; another thread polls the store
   every 0.1 s and takes the time from a probe record's creation to its first sight there.
@@ -255,6 +256,8 @@ def memory_summary(proc: Watched, start: float, end: float) -> dict[str, Any]:
         "second_half_mb_per_min": round(slope, 3),
         "second_half_growth_mb": round(growth, 2),
         "flat": growth < max(2.0, 0.02 * inside[-1][1]),
+        "series_mb": [round(inside[min(len(inside) - 1, len(inside) * k // 10)][1], 1)
+                      for k in range(11)],
     }
 
 
@@ -275,6 +278,7 @@ def by_kind(watched: list[Watched], start: float, end: float) -> dict[str, dict[
             "second_half_mb_per_min": worst["second_half_mb_per_min"],
             "second_half_growth_mb": worst["second_half_growth_mb"],
             "flat": all(s["flat"] for s in summaries),
+            "worst_series_mb": worst["series_mb"],
             "cpu_s": round(sum(p.cpu_s or 0.0 for p in procs), 1),
         }
     return out
@@ -628,6 +632,7 @@ def print_figures(r: dict[str, Any]) -> None:
               f"{m['max_mb']:>7.1f}  end {m['end_mb']:>7.1f}  second half "
               f"{m['second_half_mb_per_min']:+.2f} MB/min ({m['second_half_growth_mb']:+.1f} MB)"
               f"  {'flat' if m['flat'] else 'GROWING'}  cpu {m['cpu_s']} s")
+        print(f"  {'':<15} over time (11 points): {m['worst_series_mb']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -669,12 +674,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.keep:
         result["workdir"] = str(workdir)
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
     else:
         print_figures(result)
+        sys.stdout.flush()
+    if not args.keep:  # a started server's data: can take a while
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
