@@ -5,7 +5,9 @@ for two real 2-rank gloo jobs at once. Every rank trains at the same normal rate
 all_reduce per step). In the middle of the run rank 1 of the `noisy` job floods: 100 extra
 1-element all_reduces per step in a process group of its own, 100x its normal rate. Every rank
 has a small recorder buffer (64 records), so the flood overflows the flooder's and a stall of the
-agent on anybody else's connection would overflow theirs within a fraction of a second.
+agent on anybody else's connection would overflow theirs within a fraction of a second. A second
+run floods 1000x with an unbounded buffer for the flooder: nothing is refused at the source and
+~100k records go through the one agent beside the others' trickle.
 
 Counted, per rank, from the rank's own report (`ship_harness`) against the store's rows:
 - the flooder: collectives produced = stored + refused, exactly; its refusals counted the same by

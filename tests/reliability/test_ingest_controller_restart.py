@@ -148,9 +148,22 @@ def test_controller_killed_and_started_again_loses_and_doubles_nothing(tmp_path:
     reports.mkdir()
     args = [str(steps), "30", str(reports)]
     first = Controller(tmp_path, job, script, args)
-    first.wait_for_step(60)
-    pids = rank_pids(first.work)
-    first.kill()
+    pids: list[int] = []
+    try:
+        first.wait_for_step(60)
+        pids = rank_pids(first.work)
+        first.kill()
+        check_restart(tmp_path, job, script, args, pids, first, steps, reports)
+    finally:  # a failed run leaves no ranks behind (they run in sessions of their own)
+        if first.proc.poll() is None:
+            first.proc.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def check_restart(tmp_path: Path, job: str, script: Path, args: list[str], pids: list[int],
+                  first: Controller, steps: int, reports: Path) -> None:
     assert all(alive(p) for p in pids), "the ranks outlive their controller"
     # the endpoint is gone: the node agents keep receiving and spooling what they cannot ship
     spool = first.work / "spool"
@@ -322,7 +335,7 @@ def test_ingest_endpoint_restarted_under_a_shipping_agent_loses_and_doubles_noth
     assert all(n > 200 for n in piled), "the agent spooled while the endpoint was gone"
     assert stats["retries"] >= 3 and stats["rejected"] == 0 and stats["refused_batches"] == 0
     # the batch whose answer came late was sent again and recognised: none of it stored twice
-    assert late.held > 0 and skipped == late.held
+    assert late.held > 0 and skipped >= late.held
     assert counts.expected > 3 * 2 * 200
     assert counts.lost == 0 and counts.duplicated == 0 and counts.unexpected == 0, counts
     assert counts.stored_rows == counts.expected
@@ -352,8 +365,11 @@ def test_node_agents_replaced_under_writing_ranks_lose_nothing(tmp_path: Path) -
             for rank in ranks:
                 rank.start()
             for n in range(handovers):
+                # every rank is connected to this agent and wrote 5000 records to it
                 deadline = time.monotonic() + 60
-                while min(r.transport.sent for r in ranks) < 5000 * (n + 1):
+                sent = [r.transport.sent for r in ranks]
+                while not all(r.transport.connects == n + 1 and r.transport.sent > s + 5000
+                              for r, s in zip(ranks, sent, strict=True)):
                     assert time.monotonic() < deadline, "the ranks never reached the agent"
                     time.sleep(0.05)
                 old = agents[-1]
@@ -387,7 +403,7 @@ def test_node_agents_replaced_under_writing_ranks_lose_nothing(tmp_path: Path) -
     reconnects = [r.transport.connects for r in ranks]
     print(f"node agent replaced {handovers} times under 2 ranks writing: connections "
           f"{reconnects}, skipped as duplicates {skipped}; {counts}")
-    assert all(c >= 2 for c in reconnects), "the ranks reconnected to later agents"
+    assert reconnects == [handovers + 1] * len(ranks), "each rank wrote to every agent"
     assert spool_segments(spool) == 0 and refused_segments(spool) == 0
     assert counts.lost == 0 and counts.duplicated == 0 and counts.unexpected == 0, counts
     assert counts.stored_rows == counts.expected
