@@ -156,6 +156,7 @@ def emitter_main(argv: list[str]) -> int:
             "rank": rank, "node": args.node, "groups": counts, "refused": sink.refused,
             "transport_sent": transport.sent, "transport_lost": transport.lost,
             "transport_unsent": transport.pending, "recorder_errors": recorder.errors,
+            "transport_connects": transport.connects,
         })
         transport.close(timeout=1.0)
     tmp = f"{args.out}.tmp"
@@ -582,6 +583,7 @@ def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 "lost": sum(r["transport_lost"] for r in ranks_out),
                 "unsent_at_exit": sum(r["transport_unsent"] for r in ranks_out),
                 "recorder_errors": sum(r["recorder_errors"] for r in ranks_out),
+                "reconnects": sum(r["transport_connects"] - 1 for r in ranks_out),
                 "flush_at_end_max_s": round(max(flush_s), 2) if flush_s else None,
             },
             "agents_final": {
