@@ -69,7 +69,6 @@ import os
 import queue
 import random
 import re
-import reprlib
 import ssl
 import threading
 import time
@@ -86,7 +85,7 @@ import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
 from tracehound.controller.journal import STORE_RETRY, Journal, fsync_dir, write_atomic
 from tracehound.controller.journal import Outbox as StoreOutbox
-from tracehound.tracing.errors import StoreError
+from tracehound.tracing.errors import StoreError, shown
 from tracehound.tracing.events import Action, ActionKind, Incident
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.kinds import MAX_TEXT
@@ -116,17 +115,6 @@ _SIGNATURE = re.compile(r"v1=([0-9a-f]{64})")
 
 
 # -- errors -----------------------------------------------------------------------------------
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 200, 200, 200
-_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 10
-
-
-def _shown(value: object) -> str:
-    """`repr(value)` cut short: a YAML document's aliases can make a value of a few lines
-    stand for billions of elements ("billion laughs"), which a plain repr would spell out."""
-    return _SHOWN.repr(value)
-
 
 class AlertError(Exception):
     """Any failure of alert configuration or delivery."""
@@ -356,7 +344,7 @@ def _receiver(entry: object, at: str) -> Receiver:
     def text(field: str) -> str:
         value = entry.get(field, "")
         if not isinstance(value, str):
-            raise AlertConfigError(f"{at}.{field}: expected a string, got {_shown(value)}")
+            raise AlertConfigError(f"{at}.{field}: expected a string, got {shown(value)}")
         return value
 
     name = text("name")
@@ -396,14 +384,14 @@ def _receiver(entry: object, at: str) -> Receiver:
         seconds = math.nan
     if not math.isfinite(seconds) or seconds <= 0:
         raise AlertConfigError(
-            f"{at}.timeout_s: expected a number of seconds > 0, got {_shown(timeout)}")
+            f"{at}.timeout_s: expected a number of seconds > 0, got {shown(timeout)}")
     jobs = entry.get("jobs", [])
     if isinstance(jobs, str):
         jobs = [jobs]
     if (not isinstance(jobs, list)
             or not all(isinstance(j, str) and j.strip() for j in jobs)):
         raise AlertConfigError(
-            f"{at}.jobs: expected a list of job id patterns (`exp-*`), got {_shown(jobs)}")
+            f"{at}.jobs: expected a list of job id patterns (`exp-*`), got {shown(jobs)}")
     return Receiver(name=name, kind=kind, url=url, routing_key=routing_key, secret=secret,
                     timeout_s=float(timeout), jobs=tuple(jobs), ca_file=ca_file)
 

@@ -30,7 +30,6 @@ import enum
 import json
 import math
 import os
-import reprlib
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
@@ -47,6 +46,7 @@ from tracehound.controller.policy import (
     Response,
     Uncertain,
 )
+from tracehound.tracing.errors import shown
 from tracehound.tracing.events import IncidentKind
 
 FORMAT_VERSION: Final = 1
@@ -63,17 +63,6 @@ class PolicyConfigError(ValueError):
 
 class _Invalid(Exception):
     """A value a field does not take (internal: the loader adds the file and the path)."""
-
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 200, 200, 200
-_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 10
-
-
-def shown(value: object) -> str:
-    """`repr(value)` cut short: a YAML document's aliases can make a value of a few lines
-    stand for billions of elements ("billion laughs"), which a plain repr would spell out."""
-    return _SHOWN.repr(value)
 
 
 # -- the tables: one entry per key, the loader, the dumper and the schema read them -------------
