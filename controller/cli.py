@@ -28,7 +28,7 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -246,18 +246,33 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=None, sort_keys=False))
 
 
-def _own_ingest_token() -> None:
-    """Give this run's loopback ingest endpoint a token of its own when none is configured:
-    the node agents it starts inherit it, and another user of the machine cannot post batches
-    into the job's store."""
-    if not os.environ.get(TRACEHOUND_INGEST_TOKEN):
-        os.environ[TRACEHOUND_INGEST_TOKEN] = secrets.token_urlsafe(24)
+@contextlib.contextmanager
+def own_ingest_token() -> Iterator[str]:
+    """Give this run's loopback ingest endpoint a token of its own while the block runs, when
+    none is configured: the node agents it starts inherit it, and another user of the machine
+    cannot post batches into the job's store. A configured token is kept; the one made here is
+    removed again at the end (`main` may run in a longer-lived process)."""
+    configured = os.environ.get(TRACEHOUND_INGEST_TOKEN)
+    if configured:
+        yield configured
+        return
+    token = secrets.token_urlsafe(24)
+    os.environ[TRACEHOUND_INGEST_TOKEN] = token
+    try:
+        yield token
+    finally:
+        if os.environ.get(TRACEHOUND_INGEST_TOKEN) == token:
+            del os.environ[TRACEHOUND_INGEST_TOKEN]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    with own_ingest_token():
+        return _demo(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
     from tracehound.controller.demo import demo_ok, format_report, run_demo
 
-    _own_ingest_token()
     settings = _supervisor_settings(args, poll_s=0.25, timeout_s=600)
     if not args.json:
         print(f"tracehound demo: 2 nodes x 2 ranks + 1 spare; {args.fault} of rank {args.rank} "
@@ -274,12 +289,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    with own_ingest_token():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from tracehound.controller.journal import JOURNAL_FILE
     from tracehound.controller.local import LocalOrchestrator
     from tracehound.controller.session import store_session
     from tracehound.controller.supervisor import JobSpec, Supervisor
 
-    _own_ingest_token()
     script = Path(args.script)
     if not script.is_file():
         print(f"tracehound run: training script {args.script!r} does not exist", file=sys.stderr)

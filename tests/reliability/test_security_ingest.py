@@ -124,13 +124,19 @@ def test_a_loopback_endpoint_without_a_token_takes_local_callers(embedded: Trace
 
 def test_run_and_demo_give_their_loopback_endpoint_a_token_of_their_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from tracehound.controller.cli import _own_ingest_token
+    from tracehound.controller.cli import own_ingest_token
 
     # set, then removed: the test's end restores the variable's state from before it
     monkeypatch.setenv("TRACEHOUND_INGEST_TOKEN", "")
     monkeypatch.delenv("TRACEHOUND_INGEST_TOKEN")
-    _own_ingest_token()
-    made = os.environ["TRACEHOUND_INGEST_TOKEN"]
-    assert len(made) >= 32
-    _own_ingest_token()  # a token already there (configured, or inherited) is kept
-    assert os.environ["TRACEHOUND_INGEST_TOKEN"] == made
+    with own_ingest_token() as made:
+        assert os.environ["TRACEHOUND_INGEST_TOKEN"] == made and len(made) >= 32
+        with own_ingest_token() as inner:  # a token already there is kept
+            assert inner == made
+        assert os.environ["TRACEHOUND_INGEST_TOKEN"] == made
+    # gone again: a process that runs `main` more than once does not keep a token of a run
+    assert "TRACEHOUND_INGEST_TOKEN" not in os.environ
+    monkeypatch.setenv("TRACEHOUND_INGEST_TOKEN", "configured")
+    with own_ingest_token() as kept:
+        assert kept == "configured"
+    assert os.environ["TRACEHOUND_INGEST_TOKEN"] == "configured"
