@@ -19,7 +19,11 @@ sources (`agent.sources`): GPUs through NVML or simulated ones (`agent.gpu`, --g
 (`agent.host`: NIC and InfiniBand links, disk space, memory pressure, load) every
 --health-interval seconds (10; 0: off), and NCCL's own views where asked (`agent.nccl`: RAS
 status, --nccl-ras; Inspector's collective logs, --nccl-inspector-dir). These records go to the
-spool like the ranks' own. With OTEL_EXPORTER_OTLP_ENDPOINT set, the agent's own counters go out
+spool like the ranks' own. The spool seals a batch every --seal-interval seconds (1: one insert a
+second, what ClickHouse wants), or --urgent-interval seconds (0.2) after an urgent record (`urgent`:
+a rank's exit, a failed collective, a call pending for a second, a stack, a health warning), so
+what the controller's detectors wait for still reaches the store within a fraction of a second.
+With OTEL_EXPORTER_OTLP_ENDPOINT set, the agent's own counters go out
 over OTLP (`agent.telemetry`), and with TRACEHOUND_OTEL_SPANS_EVERY=N as well, every Nth
 collective of each group as spans. SIGTERM/SIGINT: stop accepting, ship what is left for at most
 --drain-s seconds (10), exit 0; whatever could not be shipped stays in DIR for the next agent
@@ -70,7 +74,18 @@ from tracehound.agent.spool import (
 from tracehound.agent.telemetry import CollectiveSpans, start_spans, start_telemetry
 from tracehound.tracing import logs
 from tracehound.tracing.errors import StoreConfigError
-from tracehound.tracing.events import CollectiveEvent, Heartbeat, Record
+from tracehound.tracing.events import (
+    CollectiveEvent,
+    CollectiveState,
+    HealthSample,
+    HealthSeverity,
+    Heartbeat,
+    ProcessSample,
+    ProcessState,
+    RankExit,
+    Record,
+    StackSample,
+)
 from tracehound.tracing.settings import (
     DEFAULT_GPU,
     DEFAULT_HEALTH_INTERVAL_S,
@@ -122,6 +137,31 @@ def make_sink(url: str) -> BatchSink:
     )
 
 
+URGENT_PENDING_US = 1_000_000
+"""A heartbeat whose rank has been in one call this long is urgent (the recorder's own in-flight
+threshold, `DEFAULT_INFLIGHT_S`, after which it beats every 100 ms)."""
+
+_QUIET_STATES = frozenset({ProcessState.RUNNING, ProcessState.SLEEPING, ProcessState.DISK_WAIT})
+
+
+def urgent(record: Record) -> bool:
+    """Whether the store should have `record` soon: it is, or may be, the start of an incident (a
+    rank's exit, a failed collective, a call pending for `URGENT_PENDING_US`, a stack, a stopped
+    or vanished process, a health warning). The rest (completed collectives, steady heartbeats,
+    metrics) waits for the next one-second batch."""
+    if isinstance(record, CollectiveEvent):
+        return record.state is CollectiveState.FAILED
+    if isinstance(record, Heartbeat):
+        now = record.time_us
+        return any(g.pending_op and now - g.last_enqueue_us >= URGENT_PENDING_US
+                   for g in record.groups)
+    if isinstance(record, ProcessSample):
+        return record.state not in _QUIET_STATES
+    if isinstance(record, HealthSample):
+        return record.severity is not HealthSeverity.INFO
+    return isinstance(record, RankExit | StackSample)
+
+
 def _acknowledge(conn: socket.socket, lines: int) -> None:
     """Tell a rank's transport how many lines this agent has taken from its connection
     (`agent.transport`); never blocks: an acknowledgement the socket cannot take now is skipped
@@ -135,7 +175,7 @@ def spool_writer(spool: Spool) -> Emit:
     """Appends records the agent makes itself to `spool`, in the ranks' wire form (compact JSON)."""
 
     def write(records: Sequence[Record]) -> None:
-        spool.append([encode_line(r) for r in records])
+        spool.append([encode_line(r) for r in records], urgent=any(map(urgent, records)))
 
     return write
 
@@ -321,6 +361,7 @@ class NodeAgent:
         beats: list[Heartbeat] = []
         spans = self.spans
         collectives: list[CollectiveEvent] = []
+        hurry = False
         for raw in lines:
             line = raw.strip()
             if not line:
@@ -331,6 +372,7 @@ class NodeAgent:
                 self._reject(str(exc), line)
                 continue
             good.append(line)
+            hurry = hurry or urgent(record)
             if isinstance(record, Heartbeat):
                 beats.append(record)
                 self._dropped[(record.job, record.attempt, record.rank)] = record.dropped
@@ -338,7 +380,7 @@ class NodeAgent:
                 collectives.append(record)
         if good:
             self.spool.stats.received += len(good)
-            self.spool.append(good)
+            self.spool.append(good, urgent=hurry)
         if spans is not None:
             for event in collectives:
                 spans.observe(event)
@@ -436,7 +478,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     parser.add_argument("--stats-file", default=None, help="JSON stats, rewritten every second")
     parser.add_argument("--stats-interval", type=float, default=10.0, help="seconds between logs")
     parser.add_argument("--drain-s", type=float, default=10.0, help="shipping budget at stop")
-    parser.add_argument("--seal-interval", type=float, default=0.2)
+    parser.add_argument("--seal-interval", type=_seconds, default=1.0, metavar="S",
+                        help="seconds between batches to the store (default 1: one insert a "
+                             "second)")
+    parser.add_argument("--urgent-interval", type=_seconds, default=0.2, metavar="S",
+                        help="seconds before a batch holding an urgent record is shipped (a "
+                             "rank's exit, a failed or long-pending collective, a stack, a "
+                             "health warning; default 0.2)")
     parser.add_argument("--seal-records", type=int, default=5000)
     parser.add_argument("--proc-interval", type=_seconds, default=1.0,
                         help="seconds between /proc samples of each rank (0: off)")
@@ -581,7 +629,7 @@ def run_agent(args: argparse.Namespace) -> int:
         return 2
     spool = Spool(
         args.spool, node=args.node, seal_records=args.seal_records,
-        seal_interval_s=args.seal_interval,
+        seal_interval_s=args.seal_interval, urgent_interval_s=args.urgent_interval,
     )
     watcher = ProcWatcher(
         emit=spool_writer(spool), proc_interval_s=args.proc_interval,

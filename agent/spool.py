@@ -2,13 +2,18 @@
 
 Records received from ranks are appended (as their validated wire JSON, one per line, exactly as
 the rank sent it) to an open segment file; a segment is sealed (fsync, rename `.open` -> `.seg`,
-fsync of the directory) every ~0.2 s or every N records. The shipper sends sealed segments in
-order, one batch per segment, with a batch id that is stable across retries and restarts:
-`<node>/<spool-id>/<segment>`, where the spool id is created once and kept in the spool
-directory. Before a segment is sent an in-flight marker is written; a segment is deleted only
-after the sink accepted it. A segment that might already have landed (an earlier try failed, or
-its in-flight marker was found at startup) is sent with `maybe_duplicate=True`, so the store
-keeps it exactly once.
+fsync of the directory) every `seal_interval_s` (1 s), every N records, or `urgent_interval_s`
+(0.2 s) after something urgent was appended (the node agent says what is: a rank that exited, a
+failed or long-pending collective, a stack, a health event). One batch a second is what a
+ClickHouse table wants from each writer (every insert is a new part, ~10 ms of the store's CPU
+whatever its size); what a detector waits for still reaches it within ~0.2 s.
+
+The shipper sends sealed segments in order, one batch per segment, with a batch id that is stable
+across retries and restarts: `<node>/<spool-id>/<segment>`, where the spool id is created once and
+kept in the spool directory. Before a segment is sent an in-flight marker is written; a segment is
+deleted only after the sink accepted it. A segment that might already have landed (an earlier try
+failed, or its in-flight marker was found at startup) is sent with `maybe_duplicate=True`, so the
+store keeps it exactly once.
 
 A store outage must lose nothing: the shipper retries with backoff (`tracing.retry`: 0.2 s,
 doubling, at most 10 s, longer if the sink says `retry_after`) while the spool keeps growing on
@@ -230,7 +235,8 @@ class Spool:
         *,
         node: str,
         seal_records: int = 5000,
-        seal_interval_s: float = 0.2,
+        seal_interval_s: float = 1.0,
+        urgent_interval_s: float = 0.2,
         monotonic: Callable[[], float] = time.monotonic,
         recover_after_s: float = 1.0,
     ) -> None:
@@ -242,6 +248,7 @@ class Spool:
         self.node = node
         self.seal_records = seal_records
         self.seal_interval_s = seal_interval_s
+        self.urgent_interval_s = min(urgent_interval_s, seal_interval_s)
         self.monotonic = monotonic
         self.stats = SpoolStats()
         self.spool_id = self._spool_id()
@@ -251,6 +258,9 @@ class Spool:
         self._open_count = 0
         self._open_size = 0
         self._open_since = 0.0
+        self._open_urgent = False
+        """The open segment holds an urgent line: it is sealed `urgent_interval_s` after it was
+        opened."""
         self.recover_after_s = recover_after_s
         self._failing_since_dropped: int | None = None
         """`stats.spool_dropped` when the current episode of write failures began; None while the
@@ -315,10 +325,11 @@ class Spool:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def append(self, lines: list[bytes]) -> bool:
-        """Append validated wire lines (without newlines) to the open segment. Never raises: when
-        the spool cannot be written they are dropped and counted (see the module docstring);
-        False then."""
+    def append(self, lines: list[bytes], *, urgent: bool = False) -> bool:
+        """Append validated wire lines (without newlines) to the open segment; `urgent`: they
+        should reach the store soon (the segment is sealed `urgent_interval_s` after it was
+        opened, not `seal_interval_s`). Never raises: when the spool cannot be written they are
+        dropped and counted (see the module docstring); False then."""
         if not lines:
             return True
         data = b"\n".join(lines) + b"\n"
@@ -333,6 +344,7 @@ class Spool:
                     self._open_fd, self._open_number = fd, number
                     self._open_count = self._open_size = 0
                     self._open_since = self.monotonic()
+                    self._open_urgent = False
                 self._write_all(fd, data)
             except OSError as exc:
                 whole = exc.whole_lines if isinstance(exc, _CutShort) else 0
@@ -342,6 +354,7 @@ class Spool:
             # seal
             self._open_count += len(lines)
             self._open_size += len(data)
+            self._open_urgent = self._open_urgent or urgent
             self.stats.spooled += len(lines)
             if self._failing_since_dropped is not None:
                 self._recovering()
@@ -403,11 +416,13 @@ class Spool:
                       "again", path, exc.errno, exc.strerror, name)
 
     def maybe_seal(self, *, force: bool = False) -> bool:
-        """Seal the open segment if it is old enough, full, or `force`; True if one was sealed."""
+        """Seal the open segment if it is old enough (`urgent_interval_s` when it holds an urgent
+        line, else `seal_interval_s`), or `force`; True if one was sealed."""
         with self._lock:
             if self._open_fd is None:
                 return False
-            if force or self.monotonic() - self._open_since >= self.seal_interval_s:
+            after = self.urgent_interval_s if self._open_urgent else self.seal_interval_s
+            if force or self.monotonic() - self._open_since >= after:
                 return self._seal_locked()
             return False
 
@@ -598,7 +613,7 @@ class Shipper:
             if result is ShipResult.RETRY:
                 stop.wait(self.backoff_s)
             elif result is ShipResult.IDLE:
-                stop.wait(self.spool.seal_interval_s / 2)
+                stop.wait(self.spool.urgent_interval_s / 2)
 
     def drain(self, deadline_s: float, monotonic: Callable[[], float] = time.monotonic) -> bool:
         """Seal what is open and ship until the spool is empty or `deadline_s` seconds passed;

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.agent.node import NodeAgent
+from tracehound.agent.node import URGENT_PENDING_US, NodeAgent, urgent
 from tracehound.agent.recorder import Recorder
 from tracehound.agent.spool import Shipper, ShipResult, Spool
 from tracehound.agent.transport import SocketTransport
@@ -20,7 +20,13 @@ from tracehound.tracing.events import (
     Batch,
     CollectiveEvent,
     CollectiveState,
+    GroupProgress,
+    HealthSample,
+    HealthSeverity,
     Heartbeat,
+    ProcessSample,
+    RankExit,
+    StackSample,
 )
 
 
@@ -139,6 +145,89 @@ def test_segments_seal_by_count(tmp_path: Path) -> None:
     assert not sp.maybe_seal()
     assert sp.maybe_seal(force=True)
     assert sp.sealed() == [1, 2]
+
+
+def test_segments_seal_after_a_second_or_sooner_when_urgent(tmp_path: Path) -> None:
+    """A segment of routine lines is sealed `seal_interval_s` after it was opened; one holding an
+    urgent line `urgent_interval_s` after it was opened, even if the urgent line came last."""
+    clock = [100.0]  # steps of binary fractions: exact sums
+    sp = Spool(tmp_path, node="n", seal_interval_s=1.0, urgent_interval_s=0.25,
+               monotonic=lambda: clock[0])
+    sp.append([line(event(1))])
+    clock[0] += 0.5
+    assert not sp.maybe_seal()
+    clock[0] += 0.5
+    assert sp.maybe_seal()
+    assert sp.sealed() == [1]
+
+    sp.append([line(event(2))])
+    clock[0] += 0.125
+    assert not sp.maybe_seal()
+    sp.append([line(event(3))], urgent=True)
+    assert not sp.maybe_seal()
+    clock[0] += 0.125
+    assert sp.maybe_seal()
+    assert sp.sealed() == [1, 2]
+
+    # the next segment is routine again
+    sp.append([line(event(4))])
+    clock[0] += 0.5
+    assert not sp.maybe_seal()
+    assert len(sp.read(2).lines) == 2
+
+
+def test_urgent_interval_is_never_longer_than_the_seal_interval(tmp_path: Path) -> None:
+    sp = Spool(tmp_path, node="n", seal_interval_s=0.05, urgent_interval_s=0.2)
+    assert sp.urgent_interval_s == 0.05
+
+
+def test_agent_seals_a_batch_holding_an_urgent_record_sooner(tmp_path: Path) -> None:
+    """Real NodeAgent.receive on wire lines: a steady heartbeat and completed collectives leave
+    the segment open for the full interval, a heartbeat stuck in a call for a second does not."""
+    clock = [0.0]
+    sp = Spool(tmp_path / "spool", node="n", seal_interval_s=1.0, urgent_interval_s=0.2,
+               monotonic=lambda: clock[0])
+    agent = NodeAgent(job="j", node="n", socket_path=str(tmp_path / "a.sock"), spool=sp,
+                      sink=FlakySink())
+
+    def beat(pending_for_us: int) -> bytes:
+        progress = GroupProgress(group="0", last_enqueued=7, last_completed=6,
+                                 pending_op="all_reduce",
+                                 last_enqueue_us=50_000_000 - pending_for_us, last_complete_us=1)
+        hb = Heartbeat(job="j", attempt=0, node="n", rank=0, time_us=50_000_000, pid=1, step=3,
+                       step_us=1, start_step=0, first_step_us=1, dropped=0, groups=(progress,))
+        return json.dumps(wire.encode(hb)).encode()
+
+    agent.receive([line(event(1)), beat(300_000)])
+    clock[0] = 0.5
+    assert not sp.maybe_seal()  # routine: open for a second
+    agent.receive([beat(URGENT_PENDING_US)])
+    assert sp.maybe_seal()  # urgent, and open for more than 0.2 s already
+    assert len(sp.read(sp.sealed()[0]).lines) == 3
+
+
+@pytest.mark.parametrize(("record", "expected"), [
+    (event(1), False),
+    (CollectiveEvent(job="j", attempt=0, node="n", rank=0, group="0", seq=2, op="all_reduce",
+                     nbytes=4, dtype="float32", peer=-1, state=CollectiveState.FAILED,
+                     enqueue_us=1, complete_us=2), True),
+    (RankExit(job="j", attempt=0, node="n", rank=0, pid=1, exit_code=-9, time_us=1), True),
+    (StackSample(job="j", attempt=0, node="n", rank=0, time_us=1, frames=("a.py:1 f",)), True),
+    (ProcessSample(job="j", attempt=0, node="n", rank=0, pid=1, time_us=1, state="S", cpu_s=1.0,
+                   cpu_rate=0.5, read_bytes=0, write_bytes=0, io_rate=0.0), False),
+    (ProcessSample(job="j", attempt=0, node="n", rank=0, pid=1, time_us=1, state="T", cpu_s=1.0,
+                   cpu_rate=0.0, read_bytes=0, write_bytes=0, io_rate=0.0), True),
+    (ProcessSample(job="j", attempt=0, node="n", rank=0, pid=1, time_us=1, state="gone",
+                   cpu_s=1.0, cpu_rate=0.0, read_bytes=0, write_bytes=0, io_rate=0.0), True),
+    (HealthSample(job="j", node="n", device="gpu0", time_us=1, source="simulated",
+                  metric="temperature_c", value=60.0, severity=HealthSeverity.INFO), False),
+    (HealthSample(job="j", node="n", device="gpu0", time_us=1, source="simulated",
+                  metric="xid", value=79.0, severity=HealthSeverity.CRITICAL), True),
+    (Heartbeat(job="j", attempt=0, node="n", rank=0, time_us=5_000_000, pid=1, step=3,
+               step_us=1, start_step=0, first_step_us=1, dropped=0), False),
+])
+def test_urgent_records(record: object, expected: bool) -> None:
+    assert urgent(record) is expected  # type: ignore[arg-type]
 
 
 def test_agent_receives_from_transport_rejects_bad_lines_and_ships(tmp_path: Path) -> None:
