@@ -305,3 +305,46 @@ def test_nested_wrapped_calls_count_once() -> None:
     inst.wrap("barrier", barrier)()
     events = sink.of(CollectiveEvent)
     assert [(e.op, e.seq) for e in events] == [("barrier", 1)]
+
+
+class _Work:
+    """A gloo work stand-in: `wait` raises `error` if given, `result` is the reduced tensors."""
+
+    def __init__(self, tensor: torch.Tensor, error: Exception | None = None) -> None:
+        self.tensor, self.error, self.waited = tensor, error, 0
+
+    def wait(self) -> bool:
+        self.waited += 1
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return [self.tensor]
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("Connection closed by peer")])
+def test_the_last_ddp_bucket_is_waited_for_in_the_hook(error: Exception | None) -> None:
+    """The last bucket's all_reduce is waited for in the comm hook: the future DDP gets is done,
+    with the reduced bucket or the all_reduce's error, and the call is ended with its outcome at
+    the time the wait returned."""
+    clock = FakeClock()
+    sink = FakeSink()
+    rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=clock)
+    trampoline = hooks._Trampoline(None, rec)
+    token = rec.begin("0", "all_reduce", 16, "float32")
+    clock.tick(250)
+    work = _Work(torch.ones(4), error)
+
+    future = hooks._waited(trampoline, work, token)
+
+    assert work.waited == 1 and future.done()
+    [event] = sink.of(CollectiveEvent)
+    assert event.complete_us - event.enqueue_us == 250
+    if error is None:
+        assert event.state is CollectiveState.COMPLETED
+        assert torch.equal(future.value(), torch.ones(4))
+    else:
+        assert event.state is CollectiveState.FAILED
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            future.value()
