@@ -4,18 +4,20 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
 
 1. Step time, tracing on and off interleaved inside one job (`step_time_ratio`). A 4-rank gloo
    DDP job (torchrun under `tracehound instrument`: the recorder in every rank, a node agent
-   shipping to the embedded store) trains two identical models in alternating blocks of steps:
-   one traced (the recorder's comm hook, every bucket recorded and shipped), one plain (DDP's
-   own C++ all-reduce, nothing recorded); see bench/overhead_job.py. Each pair of blocks gives
-   one ratio traced / plain (block times averaged over the ranks); a run's ratio is the median
-   of its pairs, and `step_time_ratio` is the median of all pairs of all --runs runs, printed
-   with each run's ratio (`run_ratios`, the run-to-run spread) and the pairs' spread. With
-   --control a first run has both models plain: `control_ratio` is the noise floor; with
-   --python-hook another compares torch's own Python `allreduce_hook` (untraced) with DDP's C++
-   all-reduce (`python_hook_ratio`): what DDP pays for any Python comm hook. The agent
-   and store run through both kinds of block (their work on a traced block's records can spill
-   into the next plain one), so this is the cost inside the ranks plus what of the agent's falls
-   in the traced blocks.
+   shipping to the embedded store) trains three identical models in blocks of steps, round by
+   round, in rotating order (see bench/overhead_job.py): `traced` (the recorder's comm hook,
+   every bucket recorded and shipped), `hook` (torch's own Python `allreduce_hook`, nothing
+   recorded) and `plain` (DDP's own C++ all-reduce, nothing recorded). Each round gives one
+   ratio per pair of models (block times averaged over the ranks); a run's ratio is the median
+   of its rounds, and `step_time_ratio` (traced / plain) is the median over all rounds of all
+   --runs runs, printed with each run's ratio (`run_ratios`, the run-to-run spread) and the
+   rounds' spread. `python_hook_ratio` (hook / plain) is what DDP charges any Python comm hook
+   in the same job, and `traced_vs_python_hook_ratio` (traced / hook) what the recording adds
+   on top of it; `cpu_ratio` compares the ranks' CPU time per block (traced / plain). With
+   --control a first run has the traced model untraced too: `control_ratio` is the noise
+   floor. The agent and store run through every block (their work on a traced block's records
+   can spill into the next one), so this is the cost inside the ranks plus what of the agent's
+   falls in the traced blocks.
 
    --separate-jobs N adds the whole-system figure: the demo job run again and again, recorder on
    and off (TRACEHOUND_DISABLE=1), in alternating order (`separate_jobs.step_time_ratio`, the
@@ -38,8 +40,7 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    one rank (noisy: the gloo call itself varies by more than the recorder costs). `parts_us`
    breaks the hot path down, each part timed alone.
 
-    python bench/overhead.py [--runs R] [--block-pairs P] [--block-steps S] [--control]
-                             [--python-hook]
+    python bench/overhead.py [--runs R] [--rounds N] [--block-steps S] [--control]
                              [--separate-jobs N] [--calls C] [--blocks B]
                              [--skip-job] [--skip-hot-path] [--json]
 
@@ -136,63 +137,82 @@ def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: 
     return 1000.0 / statistics.mean(rates)
 
 
-def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool,
-                    python_hook: bool = False) -> list[float]:
-    """One run of bench/overhead_job.py; its pair ratios (traced / plain block time)."""
+KINDS = ("traced", "hook", "plain")
+"""The models of bench/overhead_job.py: the recorder's comm hook, torch's Python allreduce_hook
+(untraced), DDP's C++ all-reduce (untraced)."""
+
+
+def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool
+                    ) -> list[dict[str, float]]:
+    """One run of bench/overhead_job.py; per round, the block time of each model kind and its
+    CPU (`cpu_<kind>`), averaged over the ranks, in seconds."""
     script = [
-        str(Path(__file__).with_name("overhead_job.py")), "--pairs", str(args.block_pairs),
+        str(Path(__file__).with_name("overhead_job.py")), "--rounds", str(args.rounds),
         "--block-steps", str(args.block_steps), "--width", str(args.width),
         "--batch", str(args.batch), *(["--control"] if control else []),
-        *(["--python-hook"] if python_hook else []),
     ]
     out, err = instrumented(script, job="overhead", ranks=args.nnodes * args.nproc_per_node,
-                            workdir=workdir, env=job_env(), timeout_s=900)
+                            workdir=workdir, env=job_env(), timeout_s=1800)
     line = next((x for x in out.splitlines() if x.startswith("overhead-blocks ")), None)
     if line is None:
         raise RuntimeError(f"the overhead job printed no block times:\n{out[-2000:]}{err[-2000:]}")
-    blocks = json.loads(line.split(" ", 1)[1])
-    ranks: list[list[list[float]]] = blocks["ranks"]
-    ratios = []
+    ranks: list[list[dict[str, list[float]]]] = json.loads(line.split(" ", 1)[1])["ranks"]
+    rounds = []
     for i in range(len(ranks[0])):
-        on = statistics.mean(r[i][0] for r in ranks)
-        off = statistics.mean(r[i][1] for r in ranks)
-        ratios.append(on / off)
-    return ratios
+        times = {kind: statistics.mean(r[i][kind][0] for r in ranks) for kind in KINDS}
+        times.update({f"cpu_{kind}": statistics.mean(r[i][kind][1] for r in ranks)
+                      for kind in KINDS})
+        rounds.append(times)
+    return rounds
+
+
+def ratios(rounds: list[dict[str, float]], top: str, bottom: str) -> list[float]:
+    return [r[top] / r[bottom] for r in rounds]
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """The median of per-round ratios with their quartiles."""
+    return {"median": round(statistics.median(values), 4),
+            "iqr": [round(x, 4) for x in quartiles(values)]}
 
 
 def interleaved(args: argparse.Namespace) -> dict[str, Any]:
-    def run(control: bool, python_hook: bool = False) -> list[float]:
+    def run(control: bool) -> list[dict[str, float]]:
         with tempfile.TemporaryDirectory(prefix="tracehound-overhead-") as tmp:
-            return interleaved_run(args, Path(tmp), control=control, python_hook=python_hook)
+            return interleaved_run(args, Path(tmp), control=control)
 
     result: dict[str, Any] = {}
-    # the comparisons without the recorder: (asked for, key, python_hook, what it compares)
-    for asked, key, python_hook, what in (
-        (args.control, "control", False, "control run (both plain)"),
-        (args.python_hook, "python_hook", True, "torch's own Python allreduce_hook, untraced, "
-                                                "against DDP's C++ all-reduce"),
-    ):
-        if asked:
-            ratios = run(True, python_hook=python_hook)
-            result[f"{key}_ratio"] = round(statistics.median(ratios), 4)
-            result[f"{key}_pair_ratio_iqr"] = [round(x, 4) for x in quartiles(ratios)]
-            progress(f"{what}: ratio {result[f'{key}_ratio']}")
-    every: list[float] = []
+    if args.control:
+        rounds = run(True)
+        result["control_ratio"] = spread(ratios(rounds, "traced", "plain"))["median"]
+        result["control_round_ratio_iqr"] = spread(ratios(rounds, "traced", "plain"))["iqr"]
+        progress(f"control run (the traced model untraced too): ratio {result['control_ratio']}")
+    every: list[dict[str, float]] = []
     per_run: list[float] = []
     for i in range(args.runs):
-        ratios = run(False)
-        every += ratios
-        per_run.append(statistics.median(ratios))
-        progress(f"run {i + 1}/{args.runs}: ratio {per_run[-1]:.4f} over {len(ratios)} pairs "
-                 f"of {args.block_steps}-step blocks")
-    q1, q3 = quartiles(every)
+        rounds = run(False)
+        every += rounds
+        per_run.append(statistics.median(ratios(rounds, "traced", "plain")))
+        progress(f"run {i + 1}/{args.runs}: traced/plain {per_run[-1]:.4f}, torch's Python hook/"
+                 f"plain {statistics.median(ratios(rounds, 'hook', 'plain')):.4f} over "
+                 f"{len(rounds)} rounds of {args.block_steps}-step blocks")
+    traced = ratios(every, "traced", "plain")
+    plain_ms = statistics.median(r["plain"] for r in every) * 1000 / args.block_steps
     result.update({
-        "step_time_ratio": round(statistics.median(every), 4),
+        "step_time_ratio": round(statistics.median(traced), 4),
         "run_ratios": [round(r, 4) for r in per_run],
-        "pair_ratio_iqr": [round(q1, 4), round(q3, 4)],
-        "pair_ratio_min_max": [round(min(every), 4), round(max(every), 4)],
-        "pairs_per_run": args.block_pairs,
+        "round_ratio_iqr": spread(traced)["iqr"],
+        "round_ratio_min_max": [round(min(traced), 4), round(max(traced), 4)],
+        "python_hook_ratio": spread(ratios(every, "hook", "plain"))["median"],
+        "python_hook_round_ratio_iqr": spread(ratios(every, "hook", "plain"))["iqr"],
+        "traced_vs_python_hook_ratio": spread(ratios(every, "traced", "hook"))["median"],
+        "traced_vs_python_hook_round_ratio_iqr": spread(ratios(every, "traced", "hook"))["iqr"],
+        "cpu_ratio": spread(ratios(every, "cpu_traced", "cpu_plain"))["median"],
+        "python_hook_cpu_ratio": spread(ratios(every, "cpu_hook", "cpu_plain"))["median"],
+        "plain_step_ms": round(plain_ms, 3),
+        "rounds_per_run": args.rounds,
         "block_steps": args.block_steps,
+        "width": args.width,
         "ranks": args.nnodes * args.nproc_per_node,
         "launcher": "instrument",
     })
@@ -453,17 +473,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2,
                         help="runs of the interleaved job (default 2)")
-    parser.add_argument("--block-pairs", type=int, default=40,
-                        help="traced/plain block pairs per run (default 40; a pair's ratio "
-                             "scatters by several percent on a shared machine)")
+    parser.add_argument("--rounds", type=int, default=40,
+                        help="rounds per run, one block of each model per round (default 40; "
+                             "a round's ratio scatters by several percent on a shared machine)")
     parser.add_argument("--block-steps", type=int, default=120,
                         help="steps per block (default 120, about 1 s)")
     parser.add_argument("--control", action="store_true",
-                        help="first a run with both models plain: the noise floor")
-    parser.add_argument("--python-hook", action="store_true",
-                        help="first a run comparing torch's own Python allreduce_hook "
-                             "(untraced) with DDP's C++ all-reduce: what a Python comm hook "
-                             "costs by itself")
+                        help="first a run with the traced model untraced too: the noise floor")
     parser.add_argument("--separate-jobs", type=int, default=0, metavar="N",
                         help="also N pairs of separate traced and untraced jobs (default 0)")
     parser.add_argument("--steps", type=int, default=800,
