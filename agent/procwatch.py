@@ -8,8 +8,11 @@ state `gone` and is watched no more. A rank that looks stuck (`suspicion`: pendi
 outside collectives, or silent while its process lives) gets its Python stack captured with
 `py-spy dump --nonblocking` and emitted as a `StackSample`, once per episode of no progress,
 again every `stack_repeat_s` while the episode lasts, and never more often than every
-`stack_min_gap_s`. Ranks are keyed by (job, attempt, rank): a newer attempt of a job ends the
-watch of the older one's ranks.
+`stack_min_gap_s`; and again when the process went from waiting to computing or back since its
+last capture (`ACTIVE_CPU_RATE`), after `stack_after_s`: a rank that waited in DDP's
+construction and then computes a slow first step makes no collective progress in between, and
+the stack from its wait would stand for the step. Ranks are keyed by (job, attempt, rank): a
+newer attempt of a job ends the watch of the older one's ranks.
 
 This runs in the node agent, never inside a training process, and it must never pause one: py-spy
 is always run with `--nonblocking` (it reads the process's memory without stopping it). Nothing
@@ -350,6 +353,14 @@ class _Watched:
     captured_episode: Episode | None = None
     joined_us: int = 0
     """When the rank was first seen in a process group (0: not yet)."""
+    active: bool = False
+    """The latest sample found it computing (CPU rate >= ACTIVE_CPU_RATE)."""
+    captured_active: bool = False
+    """`active` when its stack was last captured."""
+
+
+ACTIVE_CPU_RATE = 0.5
+"""CPU seconds per second from which a rank counts as computing rather than waiting."""
 
 
 def _seconds(name: str, value: float) -> float:
@@ -487,6 +498,8 @@ class ProcWatcher:
                 moved -= previous.read_bytes + previous.write_bytes
                 io_rate = max(0.0, moved / elapsed)
         watched.previous, watched.previous_us = reading, now
+        if previous is not None:
+            watched.active = cpu_rate >= ACTIVE_CPU_RATE
         return ProcessSample(
             job=hb.job, attempt=hb.attempt, node=hb.node, rank=hb.rank, pid=hb.pid, time_us=now,
             state=reading.state, cpu_s=reading.cpu_s, cpu_rate=cpu_rate,
@@ -503,6 +516,9 @@ class ProcWatcher:
             return None
         last = watched.captured_us
         if last is not None:
+            if watched.active != watched.captured_active:
+                # waiting then computing (or back): the last stack is from before the change
+                return why if now - last >= self.stack_after_s * 1e6 else None
             if now - last < self.stack_min_gap_s * 1e6:
                 return None
             same = watched.captured_episode == episode(watched.hb)
@@ -523,6 +539,7 @@ class ProcWatcher:
                 if why is None:
                     continue
                 watched.captured_us, watched.captured_episode = now, episode(watched.hb)
+                watched.captured_active = watched.active
                 hb = watched.hb
             started = time.monotonic()
             try:

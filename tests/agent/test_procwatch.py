@@ -499,6 +499,25 @@ def test_busy_rank_outside_collectives_is_captured() -> None:
     assert at(10, later) == [100]
 
 
+def test_a_rank_that_goes_from_waiting_to_computing_is_captured_again() -> None:
+    """A rank waits in DDP's construction (a collective the recorder does not see), then
+    computes a slow first step: no collective progress in between, but the stack from the wait
+    does not stand for the step, so it is captured again once the process computes."""
+    rig = Rig(stack_after_s=2, stack_repeat_s=30, stack_min_gap_s=5)
+    joined = (progress(enq=0, comp=0),)
+
+    def at(seconds: float, cpu_s: float) -> list[int]:
+        rig.reader.readings[100] = sleeping(cpu_s)
+        return rig.at(seconds, beat(pid=100, time_us=T0 + round(seconds * S), groups=joined))
+
+    assert at(0, 0.0) == []
+    assert at(2, 0.0) == [100], "busy since it joined: captured while it waits"
+    assert at(3, 0.05) == []
+    assert at(4, 1.0) == [100], "computing now: captured again, inside the min gap"
+    assert [at(s, 1.0 + (s - 4) * 0.95) for s in (5, 6, 9, 20)] == [[], [], [], []]
+    assert at(34, 29.5) == [100], "the episode's repeat"
+
+
 def test_rank_without_collectives_is_not_captured_while_it_heartbeats() -> None:
     rig = Rig(stack_after_s=2)
     for seconds in (0, 5, 100):
