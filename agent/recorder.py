@@ -103,22 +103,23 @@ class _Group:
     """Progress of this rank in one process group (mutated under the recorder's lock)."""
 
     __slots__ = (
-        "in_flight", "last_complete_us", "last_completed", "last_enqueue_us", "last_enqueued",
-        "name", "pending_dtype", "pending_nbytes", "pending_op", "pruned_at",
+        "in_flight", "last", "last_complete_us", "last_completed", "last_enqueue_us",
+        "last_enqueued", "name", "pruned_at",
     )
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.last_enqueued = 0
         self.last_completed = 0
-        self.pending_op = ""
-        self.pending_nbytes = 0
-        self.pending_dtype = ""
+        self.last: Token | None = None
+        """The token of the latest call entered: while it is pending (last_completed <
+        last_enqueued), its op, size and dtype are what a heartbeat reports as pending. One
+        reference set per call instead of three fields set and cleared."""
         self.last_enqueue_us = 0
         self.last_complete_us = 0
-        # calls entered and not yet ended: seq -> (op, nbytes, dtype, enqueue_us). Bounded: past
-        # the cap newer calls are not added, so the oldest (what a heartbeat reports) stays right.
-        self.in_flight: dict[int, tuple[str, int, str, int]] = {}
+        # calls entered and not yet ended: seq -> their token. Bounded: past the cap newer calls
+        # are not added, so the oldest (what a heartbeat reports) stays right.
+        self.in_flight: dict[int, Token] = {}
         self.pruned_at = 0
         """last_completed when in_flight was last pruned (a full dict is pruned only after it
         moved)."""
@@ -131,8 +132,15 @@ class _Group:
         if len(later) < 2:
             return (0, "", 0, "")
         seq = min(later)
-        op, nbytes, dtype, _ = self.in_flight[seq]
+        _, _, op, nbytes, dtype, _, _ = self.in_flight[seq]
         return (seq, op, nbytes, dtype)
+
+    def pending(self) -> tuple[str, int, str]:
+        """(op, nbytes, dtype) of the latest call while it is pending, else ("", 0, "")."""
+        last = self.last
+        if last is None or self.last_completed >= self.last_enqueued:
+            return ("", 0, "")
+        return (last[2], last[3], last[4])
 
     def pending_since(self) -> int:
         """When the oldest call in flight after the last completed one was entered (us); 0 when
@@ -142,8 +150,8 @@ class _Group:
         done = self.last_completed
         since = 0
         for seq, entry in self.in_flight.items():
-            if seq > done and (not since or entry[3] < since):
-                since = entry[3]
+            if seq > done and (not since or entry[6] < since):
+                since = entry[6]
         # past the in-flight cap a pending call may be missing from the dict
         return since or self.last_enqueue_us
 
@@ -251,10 +259,9 @@ class Recorder:
         try:
             group = self._groups.get(group_name) or self._group(group_name)
             seq = group.last_enqueued + 1
+            token = (group, seq, op, nbytes, dtype, peer, now)
             group.last_enqueued = seq
-            group.pending_op = op
-            group.pending_nbytes = nbytes
-            group.pending_dtype = dtype
+            group.last = token
             group.last_enqueue_us = now
             in_flight = group.in_flight
             if len(in_flight) >= _MAX_IN_FLIGHT:
@@ -264,11 +271,11 @@ class Recorder:
                     in_flight = group.in_flight = {k: v for k, v in in_flight.items()
                                                    if k > done}
                 if len(in_flight) >= _MAX_IN_FLIGHT:
-                    return (group, seq, op, nbytes, dtype, peer, now)
-            in_flight[seq] = (op, nbytes, dtype, now)
+                    return token
+            in_flight[seq] = token
         finally:
             lock.release()
-        return (group, seq, op, nbytes, dtype, peer, now)
+        return token
 
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
         """The operation `token` finished (ok) or failed on this rank; queue its event."""
@@ -281,10 +288,6 @@ class Recorder:
             if seq > group.last_completed:
                 group.last_completed = seq
                 group.last_complete_us = now
-            if group.last_completed >= group.last_enqueued:
-                group.pending_op = ""
-                group.pending_nbytes = 0
-                group.pending_dtype = ""
         finally:
             lock.release()
         if self._disabled:
@@ -399,11 +402,12 @@ class Recorder:
     @staticmethod
     def _progress(g: _Group) -> GroupProgress:
         oldest_seq, oldest_op, oldest_nbytes, oldest_dtype = g.oldest()
+        pending_op, pending_nbytes, pending_dtype = g.pending()
         return GroupProgress(
             group=GroupId(g.name), last_enqueued=g.last_enqueued,
-            last_completed=g.last_completed, pending_op=g.pending_op,
+            last_completed=g.last_completed, pending_op=pending_op,
             last_enqueue_us=g.last_enqueue_us, last_complete_us=g.last_complete_us,
-            pending_nbytes=g.pending_nbytes, pending_dtype=g.pending_dtype,
+            pending_nbytes=pending_nbytes, pending_dtype=pending_dtype,
             oldest_seq=oldest_seq, oldest_op=oldest_op, oldest_nbytes=oldest_nbytes,
             oldest_dtype=oldest_dtype,
         )
