@@ -20,9 +20,14 @@
   new_subgroups_by_enumeration), the `_new_group_with_tag` they and DeviceMesh go through,
   split_group, shrink_group, destroy_process_group.
 
-`install_ddp` gives every DistributedDataParallel model one trampoline comm hook whose default is
-the standard all-reduce (DDP's own gradient all-reduce otherwise bypasses `dist.all_reduce`);
-`install_optimizer` counts training steps with a global optimizer step post-hook.
+`install_ddp` hands the C++ reducer of every DistributedDataParallel model a process group of its
+own (`_reducer_group`: a Python subclass of c10d's ProcessGroup that forwards to the model's real
+group and its backends), so DDP's gradient all-reduces, which bypass `dist.all_reduce`, are
+recorded as all_reduce calls of the real group, whatever comm hook the user registers (a Python
+hook that calls `dist.all_reduce` is recorded by that wrapper instead). DDP keeps its own
+gradient division and hook-less path; a bucket's completion is seen without a callback on the
+work (`_Reducer.settle`). `install_optimizer` counts training steps with a global optimizer step
+post-hook.
 
 A wrapper calls the original exactly as given and returns exactly what it returned; a user's
 exception is re-raised unchanged (after recording the operation as failed). Errors of the
@@ -69,7 +74,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from tracehound.agent.recorder import Recorder, Token
 
@@ -104,13 +109,12 @@ _WRAPPED = "__tracehound_wrapped__"
 
 class _Local(threading.local):
     depth = 0
-    claim: bool = False
-    """Set by the DDP trampoline around its all_reduce: the wrapper then leaves the call's end to
-    the trampoline (`claimed`) instead of adding a completion callback of its own."""
-    claimed: Token | None = None
 
 
 _local = _Local()
+
+_installer: _Installer | None = None
+"""The installer of `install_distributed`, once it ran: DDP names its groups alike."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,9 +308,6 @@ class _Installer:
         if result is None or type(result) is self.illegal_work:
             # nothing to wait for; an _IllegalWork: the op was queued into a coalescing block
             recorder.end(token, True)
-            return
-        if _local.claim:
-            _local.claimed = token  # the DDP trampoline ends it in its own callback
             return
         if isinstance(result, self.future_type):
             future = result  # all_reduce_coalesced / all_gather_coalesced return a Future
@@ -548,6 +549,8 @@ def install_distributed(recorder: Recorder, on_group: Callable[[], None] = lambd
     if not dist.is_available():
         return 0
     installer = _Installer(recorder, dist, on_group)
+    global _installer
+    _installer = installer
     # device_mesh binds new_group / split_group at its import, inside torch.distributed's own
     mesh = sys.modules.get("torch.distributed.device_mesh")
     modules = (dist, *([mesh] if mesh is not None else []), dist.distributed_c10d)
@@ -571,108 +574,135 @@ def install_distributed(recorder: Recorder, on_group: Callable[[], None] = lambd
 
 # -- DDP -----------------------------------------------------------------------------------------
 
+_BACKEND_TYPES = {"gloo": "GLOO", "nccl": "NCCL", "ucc": "UCC", "mpi": "MPI", "xccl": "XCCL"}
+_OPEN_CAP = 1024
+"""All-reduces of one DDP model whose completion is not seen yet, at most; past it the oldest is
+ended as it stands (a model whose works are never waited for must not grow this without end)."""
 
-class _Trampoline:
-    """State of the one comm hook tracehound registers on a DDP model."""
 
-    def __init__(self, process_group: Any, recorder: Recorder) -> None:
-        self.process_group = process_group
+class _Reducer:
+    """What the process group a DDP reducer all-reduces through knows: where to record, the
+    real group, and the all-reduces issued and not yet seen complete."""
+
+    __slots__ = (
+        "__weakref__", "callback_queued", "engine", "group", "inner", "name", "open", "recorder",
+    )
+
+    def __init__(self, inner: Any, name: str, recorder: Recorder, engine: Any) -> None:
+        self.inner = inner
+        self.name = name
         self.recorder = recorder
-        self.hook: Callable[[Any, Any], Any] | None = None
-        self.state: Any = None
-        self.dist: Any = importlib.import_module("torch.distributed")
-        self.futures: Any = importlib.import_module("torch.futures")
+        self.engine = engine
+        self.open: list[tuple[Any, Token]] = []
+        self.callback_queued = False
+        self.group: Any = None
+        """The group the reducer calls (`_reducer_group`). Held here, by the model: the C++
+        reducer holds the C++ object only, and without its Python object the calls would go
+        straight to the backend, untraced."""
 
-
-def _first_of(fut: Any) -> Any:
-    return fut.value()[0]
-
-
-def _averaged(trampoline: _Trampoline, bucket: Any) -> Any:
-    """What torch's `allreduce_hook` does (divide by the group's size, all_reduce, the first tensor
-    of the result), traced.
-
-    A bucket's all_reduce ends in the one completion callback the hook needs anyway (each Python
-    callback on a future is a trip of gloo's thread through the GIL). The last bucket of a step on
-    CPU tensors makes none: its hook waits for the all_reduce itself (`_waited`), as DDP would
-    right after it. One DDP step of a small model on gloo costs ~90 us more with a Python hook and
-    its callback than with DDP's C++ all-reduce, and ~25 us more when the hook waits; on 4 ranks
-    sharing 2 cores that was 4-6% of the step."""
-    dist = trampoline.dist
-    group = trampoline.process_group
-    if group is None:
-        group = dist.group.WORLD
-    tensor = bucket.buffer()
-    tensor.div_(group.size())
-    local = _local
-    local.claim, local.claimed = True, None
-    try:
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-    finally:
-        # (set by the wrapper's finish_work in between, which the type checker cannot see)
-        token = cast("Token | None", local.claimed)
-        local.claim, local.claimed = False, None
-    recorder = trampoline.recorder
-    if token is not None and tensor.device.type == "cpu" and bucket.is_last():
-        return _waited(trampoline, work, token)
-    future = work.get_future()
-    if token is None:  # not recorded (the recorder failed, or tracing is off)
-        return future.then(_first_of)
-
-    def reduced(fut: Any) -> Any:
+    def allreduce(self, tensors: Any, opts: Any) -> Any:
+        """One bucket (or DDP's used-parameter map): recorded as an all_reduce of the real group,
+        issued on it, its completion seen later (`settle`) rather than through a callback on the
+        work's future, which would cost a trip of gloo's thread through the GIL per bucket."""
+        recorder = self.recorder
+        token: Token | None = None
         try:
-            value = _first_of(fut)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                recorder.end(token, False)
-            raise
-        try:
-            recorder.end(token, True)
+            nbytes = sum(t.nbytes for t in tensors)
+            dtype = str(tensors[0].dtype).removeprefix("torch.") if len(tensors) else ""
+            token = recorder.begin(self.name, "all_reduce", nbytes, dtype)
         except Exception as exc:
             recorder.note_error("DDP all_reduce", exc)
-        return value
+        try:
+            work = self.inner.allreduce(tensors, opts)
+        except BaseException:
+            if token is not None:
+                with contextlib.suppress(Exception):
+                    recorder.end(token, False)
+            raise
+        if token is None:
+            return work
+        try:
+            if self.open:
+                self.settle()
+            self.open.append((work, token))
+            if len(self.open) > _OPEN_CAP:
+                _, oldest = self.open.pop(0)
+                recorder.end(oldest, True)
+            if not self.callback_queued:
+                self.engine.queue_callback(self.backward_ending)
+                self.callback_queued = True
+        except Exception as exc:
+            recorder.note_error("DDP all_reduce", exc)
+        return work
 
-    return future.then(reduced)
+    def backward_ending(self) -> None:
+        """The first of the backward pass's final callbacks queued after a bucket: DDP queues
+        its own (which waits for every bucket) after the last bucket, so this one only queues
+        `backward_done` behind it."""
+        try:
+            self.engine.queue_callback(self.backward_done)
+        except Exception as exc:
+            self.callback_queued = False
+            self.recorder.note_error("DDP backward", exc)
+
+    def backward_done(self) -> None:
+        """After DDP waited for this backward pass's buckets: end them, each at about the time
+        the last one completed (a bucket completed earlier was ended at the next bucket)."""
+        self.callback_queued = False
+        try:
+            self.settle()
+        except Exception as exc:
+            self.recorder.note_error("DDP backward", exc)
+
+    def settle(self) -> None:
+        """End the all-reduces that have completed, in order, at the time they are seen to be.
+        Called on the training thread (the next bucket, the end of the backward pass) and from
+        the heartbeat thread (a rank that stops after its last bucket)."""
+        items, self.open = self.open, []
+        still: list[tuple[Any, Token]] = []
+        recorder = self.recorder
+        for item in items:
+            work, token = item
+            if still or not work.is_completed():
+                still.append(item)
+                continue
+            recorder.end(token, _succeeded(work))
+        if still:
+            self.open[:0] = still
 
 
-def _waited(trampoline: _Trampoline, work: Any, token: Token) -> Any:
-    """The last bucket's all_reduce, waited for here (the GIL released meanwhile) and ended with
-    its own completion time: a future already done, holding the reduced bucket (or the error,
-    which DDP raises when it reads the bucket's result, as it would have without the hook).
-
-    All the step's gradients are computed by the time the last bucket is ready, and DDP waits
-    for every bucket right after the backward pass, so waiting here costs no overlap worth
-    having; it saves the callback's trip through the GIL. CPU tensors only: a CUDA work's wait
-    would only order the streams."""
-    recorder = trampoline.recorder
-    result = trampoline.futures.Future()
+def _succeeded(work: Any) -> bool:
+    """Whether a completed work succeeded, through its future (`Work.exception()` warns that it
+    is deprecated, once per process, into the user's log)."""
     try:
-        work.wait()
-        value = work.result()[0]
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            recorder.end(token, False)
-        result.set_exception(exc)
-        return result
-    try:
-        recorder.end(token, True)
-    except Exception as exc:
-        recorder.note_error("DDP all_reduce", exc)
-    result.set_result(value)
-    return result
+        work.get_future().value()
+    except Exception:
+        return False
+    return True
 
 
-def tracehound_trampoline_hook(trampoline: _Trampoline, bucket: Any) -> Any:
-    """Default: torch's allreduce_hook, traced (`_averaged`); else the user's hook."""
-    hook = trampoline.hook
-    if hook is None:
-        return _averaged(trampoline, bucket)
-    return hook(trampoline.state, bucket)
+def _reducer_group(dist: Any, reducer: _Reducer) -> Any:
+    """A process group that forwards everything to `reducer.inner`'s own backends and routes
+    `allreduce` through `reducer` (a Python subclass of c10d's ProcessGroup: DDP's C++ reducer
+    calls it like any group)."""
+    base = dist.ProcessGroup
+    inner = reducer.inner
 
+    class TracedReducerGroup(base):  # type: ignore[misc, valid-type]
+        def allreduce(self, *args: Any) -> Any:
+            if len(args) == 2 and isinstance(args[0], list):
+                return reducer.allreduce(*args)
+            return inner.allreduce(*args)
 
-# DDP checks the hook's annotations against torch's own types; with postponed annotations ours
-# are strings, so the hook carries none at run time.
-tracehound_trampoline_hook.__annotations__ = {}
+    group = TracedReducerGroup(inner.rank(), inner.size())
+    kinds = base.BackendType
+    default = _BACKEND_TYPES.get(str(inner._get_backend_name()), "CUSTOM")
+    group._set_default_backend(getattr(kinds, default))
+    for device in inner._device_types:
+        backend = inner._get_backend(device)
+        kind = _BACKEND_TYPES.get(str(backend.name()), "CUSTOM")
+        group._register_backend(device, getattr(kinds, kind), backend)
+    return group
 
 
 @dataclass
@@ -682,16 +712,17 @@ class DdpStats:
 
 
 ddp_stats = DdpStats()
-"""How many DDP models got the trampoline, and how many were left alone (see the log)."""
+"""How many DDP models have their all-reduces traced, and how many were left alone (see the
+log)."""
 
 _untraced_ddp = threading.local()
 
 
 @contextlib.contextmanager
 def untraced_ddp() -> Iterator[None]:
-    """DDP models constructed in this block (on this thread) keep DDP's own C++ gradient
-    all-reduce: no trampoline, their buckets are not traced (what bench/overhead.py compares
-    against). Counted in `ddp_stats.skipped`."""
+    """DDP models constructed in this block (on this thread) are left as they are: their gradient
+    all-reduces are not traced (what bench/overhead.py compares against). Counted in
+    `ddp_stats.skipped`."""
     before = getattr(_untraced_ddp, "on", False)
     _untraced_ddp.on = True
     try:
@@ -701,31 +732,42 @@ def untraced_ddp() -> Iterator[None]:
 
 
 def _unsafe_reason(model: Any) -> str:
-    if getattr(model, "_comm_hooks", None):
-        return "it already has a comm hook"
-    if getattr(model, "static_graph", False):
-        return "static_graph=True"
     if getattr(model, "_use_python_reducer", False):
         return "it uses the python reducer (compiled autograd)"
-    if getattr(model, "_delay_all_reduce_all_params", False):
-        return "all its all-reduces are delayed"
-    if getattr(model, "mixed_precision", None) is not None:
-        return "mixed_precision is set"
-    if getattr(model, "reducer", None) is None:
+    reducer = getattr(model, "reducer", None)
+    if reducer is None:
         return "it has no reducer"
+    if not hasattr(reducer, "_update_process_group"):
+        return "this torch's reducer cannot change its process group"
     return ""
 
 
+def _trace_ddp(model: Any, recorder: Recorder) -> Any:
+    """Give `model`'s reducer a process group that records its all-reduces (the model's own
+    `process_group` stays the real one); returns the `_Reducer`."""
+    dist: Any = importlib.import_module("torch.distributed")
+    engine: Any = importlib.import_module("torch.autograd.variable").Variable._execution_engine
+    inner = model.process_group
+    if _installer is not None:
+        name = _installer.groups.name(inner)
+        _installer.first_seen(inner)
+    else:
+        name = str(inner.group_name)
+    reducer = _Reducer(inner, name, recorder, engine)
+    reducer.group = _reducer_group(dist, reducer)
+    model.reducer._update_process_group(reducer.group)
+    recorder.add_settler(reducer.settle)
+    return reducer
+
+
 def install_ddp(recorder: Recorder) -> bool:
-    """Give each new DDP model a trampoline comm hook; let a user's hook replace its inside."""
+    """Trace the gradient all-reduces of each new DDP model (see `_trace_ddp`)."""
     ddp_module: Any = importlib.import_module("torch.nn.parallel.distributed")
 
     ddp = ddp_module.DistributedDataParallel
     if hasattr(ddp.__init__, _WRAPPED):
         return False
     original_init = ddp.__init__
-    original_register = ddp.register_comm_hook
-    original_builtin = ddp._register_builtin_comm_hook
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -738,50 +780,14 @@ def install_ddp(recorder: Recorder) -> bool:
                 log.info("tracehound leaves this DDP model's gradient all-reduce untraced: %s",
                          reason)
                 return
-            trampoline = _Trampoline(self.process_group, recorder)
-            original_register(self, trampoline, tracehound_trampoline_hook)
-            self._tracehound_trampoline = trampoline
+            self._tracehound_reducer = _trace_ddp(self, recorder)
             ddp_stats.hooked += 1
         except Exception as exc:
             ddp_stats.skipped += 1
             recorder.note_error("DistributedDataParallel.__init__", exc)
 
-    @functools.wraps(original_register)
-    def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
-        trampoline: _Trampoline | None = getattr(self, "_tracehound_trampoline", None)
-        if trampoline is None or trampoline.hook is not None:
-            return original_register(self, state, hook)  # type: ignore[no-any-return]
-        self._check_comm_hook(hook)
-        trampoline.state, trampoline.hook = state, hook
-        try:
-            self.logger._set_comm_hook_name(hook.__qualname__)
-        except Exception as exc:
-            recorder.note_error("register_comm_hook", exc)
-        return None
-
-    @functools.wraps(original_builtin)
-    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
-        trampoline: _Trampoline | None = getattr(self, "_tracehound_trampoline", None)
-        if trampoline is None or trampoline.hook is not None:
-            return original_builtin(self, comm_hook_type)  # type: ignore[no-any-return]
-        dist: Any = importlib.import_module("torch.distributed")
-        default_hooks: Any = importlib.import_module(
-            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
-        )
-        python_hooks = {
-            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
-        }
-        hook = python_hooks.get(comm_hook_type)
-        if hook is None:
-            return original_builtin(self, comm_hook_type)  # type: ignore[no-any-return]
-        trampoline.state, trampoline.hook = self.process_group, hook
-        return None
-
     setattr(__init__, _WRAPPED, original_init)
     ddp.__init__ = __init__
-    ddp.register_comm_hook = register_comm_hook
-    ddp._register_builtin_comm_hook = _register_builtin_comm_hook
     return True
 
 

@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -208,6 +209,10 @@ class Recorder:
         # Async work whose completion can only be seen by polling (gloo send/recv): (work, token,
         # ordered), see poll_later.
         self._polled: list[tuple[Any, Token, bool]] = []
+        # Who else holds calls whose completion is seen by looking (DDP models): called from the
+        # heartbeat thread before each look at what is pending, and at close. Weak: a model
+        # that goes away takes its entry with it.
+        self._settlers: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -316,8 +321,23 @@ class Recorder:
             self.end(token, True)
         self._wake.set()
 
+    def add_settler(self, settle: Callable[[], None]) -> None:
+        """`settle` (a bound method) ends the calls it holds that have completed; it is called
+        from the heartbeat thread and at close, as long as its object lives."""
+        with self._lock:
+            self._settlers = [s for s in self._settlers if s() is not None]
+            self._settlers.append(weakref.WeakMethod(settle))
+
     def poll(self) -> None:
-        """Finish the events of polled works that have completed."""
+        """Finish the events of polled works that have completed, and let the settlers end
+        theirs."""
+        for ref in self._settlers:
+            settle = ref()
+            if settle is not None:
+                try:
+                    settle()
+                except Exception as exc:
+                    self.note_error("settle", exc)
         if not self._polled:
             return
         with self._lock:

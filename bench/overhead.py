@@ -5,15 +5,16 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
 1. Step time, tracing on and off interleaved inside one job (`step_time_ratio`). A 4-rank gloo
    DDP job (torchrun under `tracehound instrument`: the recorder in every rank, a node agent
    shipping to the embedded store) trains three identical models in blocks of steps, round by
-   round, in rotating order (see bench/overhead_job.py): `traced` (the recorder's comm hook,
-   every bucket recorded and shipped), `hook` (torch's own Python `allreduce_hook`, nothing
-   recorded) and `plain` (DDP's own C++ all-reduce, nothing recorded). Each round gives one
-   ratio per pair of models (block times averaged over the ranks); a run's ratio is the median
-   of its rounds, and `step_time_ratio` (traced / plain) is the median over all rounds of all
-   --runs runs, printed with each run's ratio (`run_ratios`, the run-to-run spread) and the
-   rounds' spread. `python_hook_ratio` (hook / plain) is what DDP charges any Python comm hook
-   in the same job, and `traced_vs_python_hook_ratio` (traced / hook) what the recording adds
-   on top of it; `cpu_ratio` compares the ranks' CPU time per block (traced / plain). With
+   round, in rotating order (see bench/overhead_job.py): `traced` (DDP's reducer all-reducing
+   through the recorder's process group, every bucket recorded and shipped), `hook` (torch's
+   own Python `allreduce_hook`, nothing recorded) and `plain` (DDP's own C++ all-reduce,
+   nothing recorded). Each round gives one ratio per pair of models (block times averaged over
+   the ranks); a run's ratio is the median of its rounds, and `step_time_ratio` (traced /
+   plain) is the median over all rounds of all --runs runs, printed with each run's ratio
+   (`run_ratios`, the run-to-run spread) and the rounds' spread. `python_hook_ratio` (hook /
+   plain) is what DDP charges any Python comm hook in the same job (the way Tracehound traced
+   DDP before its process group), and `traced_vs_python_hook_ratio` (traced / hook) compares
+   the two; `cpu_ratio` compares the ranks' CPU time per block (traced / plain). With
    --control a first run has the traced model untraced too: `control_ratio` is the noise
    floor. The agent and store run through every block (their work on a traced block's records
    can spill into the next one), so this is the cost inside the ranks plus what of the agent's
@@ -138,8 +139,8 @@ def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: 
 
 
 KINDS = ("traced", "hook", "plain")
-"""The models of bench/overhead_job.py: the recorder's comm hook, torch's Python allreduce_hook
-(untraced), DDP's C++ all-reduce (untraced)."""
+"""The models of bench/overhead_job.py: traced through the recorder's process group, torch's
+Python allreduce_hook (untraced), DDP's C++ all-reduce (untraced)."""
 
 
 def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool

@@ -4,9 +4,10 @@ Run once per rank by torchrun under `tracehound instrument` (the recorder auto-i
 rank, a node agent shipping to the store). Every rank builds three identical models (same seed,
 same layers, same data) that differ only in how their gradient buckets are all-reduced:
 
-- `traced`: through the recorder's comm hook, every bucket recorded and shipped;
+- `traced`: DDP's reducer all-reduces through the recorder's process group (a Python subclass of
+  c10d's ProcessGroup forwarding to the real one), every bucket recorded and shipped;
 - `hook`: built inside `hooks.untraced_ddp()` with torch's own Python `allreduce_hook`: nothing
-  recorded, but the Python comm hook any tracing of DDP from Python needs (DDP divides the
+  recorded; what tracing DDP through a Python comm hook would cost at least (DDP divides the
   bucket in a pass of its own and holds the GIL to call the hook and read its result);
 - `plain`: built inside `hooks.untraced_ddp()`, DDP's own C++ all-reduce, nothing recorded.
 
@@ -81,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         hooked = DistributedDataParallel(net())
         hooked.register_comm_hook(None, default_hooks.allreduce_hook)
         plain = DistributedDataParallel(net())
-    if (getattr(traced, "_tracehound_trampoline", None) is None) != args.control:
-        print("overhead_job: the traced model did not get the recorder's comm hook",
+    if (getattr(traced, "_tracehound_reducer", None) is None) != args.control:
+        print("overhead_job: the traced model's all-reduces are not traced",
               file=sys.stderr, flush=True)
         return 2
-    if any(getattr(m, "_tracehound_trampoline", None) is not None for m in (hooked, plain)):
-        print("overhead_job: an untraced model got the recorder's comm hook", file=sys.stderr,
+    if any(getattr(m, "_tracehound_reducer", None) is not None for m in (hooked, plain)):
+        print("overhead_job: an untraced model's all-reduces are traced", file=sys.stderr,
               flush=True)
         return 2
     models = {"traced": traced, "hook": hooked, "plain": plain}

@@ -28,7 +28,7 @@ def fact(**values: Any) -> None:
 
 
 def ddp(rank: int, world: int) -> None:
-    """Three steps; each checks that the gradients DDP left (through the recorder's comm hook)
+    """Three steps; each checks that the gradients DDP left (through the recorder's process group)
     are the mean of every rank's gradients, computed here without DDP."""
     from torch.nn.parallel import DistributedDataParallel
 

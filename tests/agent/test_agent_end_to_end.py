@@ -65,7 +65,7 @@ def test_ddp_job_is_traced_end_to_end(tmp_path: Path) -> None:
     # Same program, same sequence: the op at every seq is the same on every rank.
     for seq in range(1, count + 1):
         assert len({ops[(r, seq)] for r in range(WORLD)}) == 1
-    # DDP's gradient all-reduce goes through the trampoline comm hook: >= 1 per step.
+    # DDP's gradient all-reduce goes through the recorder's process group: >= 1 per step.
     grad_reduces = [e for e in events if e.rank == 0 and e.op == "all_reduce"]
     assert len(grad_reduces) >= STEPS
 

@@ -5,6 +5,7 @@ created in the test process, and torch.distributed itself is never patched here)
 
 from __future__ import annotations
 
+import gc
 import types
 from typing import Any
 
@@ -308,43 +309,97 @@ def test_nested_wrapped_calls_count_once() -> None:
 
 
 class _Work:
-    """A gloo work stand-in: `wait` raises `error` if given, `result` is the reduced tensors."""
+    """A gloo work stand-in: completed or not, its future holding the result or `error`."""
 
-    def __init__(self, tensor: torch.Tensor, error: Exception | None = None) -> None:
-        self.tensor, self.error, self.waited = tensor, error, 0
+    def __init__(self, error: Exception | None = None) -> None:
+        self.done, self.error = False, error
 
-    def wait(self) -> bool:
-        self.waited += 1
+    def is_completed(self) -> bool:
+        return self.done
+
+    def get_future(self) -> Any:
+        future: Any = torch.futures.Future()
         if self.error is not None:
-            raise self.error
-        return True
+            future.set_exception(self.error)
+        else:
+            future.set_result([torch.ones(1)])
+        return future
 
-    def result(self) -> list[torch.Tensor]:
-        return [self.tensor]
+
+class _Inner:
+    """The real group of a DDP model, standing in: hands out the works it is given."""
+
+    def __init__(self, works: list[_Work]) -> None:
+        self.works = works
+
+    def allreduce(self, tensors: Any, opts: Any) -> _Work:
+        return self.works.pop(0)
 
 
-@pytest.mark.parametrize("error", [None, RuntimeError("Connection closed by peer")])
-def test_the_last_ddp_bucket_is_waited_for_in_the_hook(error: Exception | None) -> None:
-    """The last bucket's all_reduce is waited for in the comm hook: the future DDP gets is done,
-    with the reduced bucket or the all_reduce's error, and the call is ended with its outcome at
-    the time the wait returned."""
+class _Engine:
+    def __init__(self) -> None:
+        self.queued: list[Any] = []
+
+    def queue_callback(self, callback: Any) -> None:
+        self.queued.append(callback)
+
+
+def test_ddp_buckets_end_when_seen_completed_in_order() -> None:
+    """A DDP bucket's all_reduce ends when it is seen completed: at the next bucket, or at the
+    end of the backward pass, after DDP's own wait (the final callback queues a second one
+    behind DDP's). Works are ended in order (a later one that completed first waits for the
+    earlier), a failed one as failed, at the time they are seen."""
     clock = FakeClock()
     sink = FakeSink()
     rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=clock)
-    trampoline = hooks._Trampoline(None, rec)
-    token = rec.begin("0", "all_reduce", 16, "float32")
-    clock.tick(250)
-    work = _Work(torch.ones(4), error)
+    works = [_Work(), _Work(), _Work(RuntimeError("Connection closed by peer"))]
+    engine = _Engine()
+    reducer = hooks._Reducer(_Inner(list(works)), "0", rec, engine)
+    bucket = [torch.zeros(4)]
 
-    future = hooks._waited(trampoline, work, token)
+    assert reducer.allreduce(bucket, None) is works[0]
+    assert len(engine.queued) == 1  # once per backward pass
+    clock.tick(100)
+    works[1].done = True  # the second completes before the first
+    reducer.allreduce(bucket, None)
+    assert sink.of(CollectiveEvent) == []
+    clock.tick(100)
+    works[0].done = True
+    reducer.allreduce(bucket, None)  # sees both completed
+    assert [(e.seq, e.complete_us - e.enqueue_us) for e in sink.of(CollectiveEvent)] == [
+        (1, 200), (2, 100)]
+    assert len(engine.queued) == 1
+    engine.queued.pop()()  # DDP's finalize is queued behind: this only queues again
+    assert len(sink.of(CollectiveEvent)) == 2 and len(engine.queued) == 1
+    clock.tick(50)
+    works[2].done = True
+    engine.queued.pop()()
+    last = sink.of(CollectiveEvent)[-1]
+    assert (last.seq, last.state, last.complete_us - last.enqueue_us) == (
+        3, CollectiveState.FAILED, 50)
+    assert reducer.open == [] and not reducer.callback_queued
+    # the next backward pass queues its callback again
+    reducer.inner = _Inner([_Work()])
+    reducer.allreduce(bucket, None)
+    assert len(engine.queued) == 1
 
-    assert work.waited == 1 and future.done()
-    [event] = sink.of(CollectiveEvent)
-    assert event.complete_us - event.enqueue_us == 250
-    if error is None:
-        assert event.state is CollectiveState.COMPLETED
-        assert torch.equal(future.value(), torch.ones(4))
-    else:
-        assert event.state is CollectiveState.FAILED
-        with pytest.raises(RuntimeError, match="Connection closed by peer"):
-            future.value()
+
+def test_the_heartbeat_thread_settles_ddp_buckets_while_the_model_lives() -> None:
+    """A rank that stops after its last bucket (no callback comes) still gets its completed
+    all_reduce ended: the recorder's poll asks the model's reducer; once the model is gone the
+    recorder forgets it."""
+    sink = FakeSink()
+    rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=FakeClock())
+    work = _Work()
+    reducer = hooks._Reducer(_Inner([work]), "0", rec, _Engine())
+    rec.add_settler(reducer.settle)
+    reducer.allreduce([torch.zeros(4)], None)
+    rec.poll()
+    assert sink.of(CollectiveEvent) == []
+    work.done = True
+    rec.poll()
+    assert [e.state for e in sink.of(CollectiveEvent)] == [CollectiveState.COMPLETED]
+    del reducer
+    gc.collect()  # (the engine's queued callback and the reducer refer to each other)
+    rec.poll()
+    assert [ref() for ref in rec._settlers] == [None]

@@ -23,7 +23,7 @@ def test_ddp_gradient_all_reduces(tmp_path: Path) -> None:
     run = run_scenario("ddp", 2, tmp_path)
     calls = assert_same_calls(run)
     assert group_ranks(run)["0"] == (0, 1)
-    # DDP's gradient buckets go through the trampoline's all_reduce: with a tiny bucket cap,
+    # DDP's gradient buckets go through the recorder's process group: with a tiny bucket cap,
     # more than one per step
     assert ops_of(calls["0"]).count("all_reduce") > 3
     # ... and the gradients are what DDP without the recorder gives: the mean over ranks
