@@ -657,7 +657,12 @@ class _Reducer:
     def settle(self) -> None:
         """End the all-reduces that have completed, in order, at the time they are seen to be.
         Called on the training thread (the next bucket, the end of the backward pass) and from
-        the heartbeat thread (a rank that stops after its last bucket)."""
+        the heartbeat thread (a rank that stops after its last bucket).
+
+        So a bucket's end time is an upper bound: exact to the wait for the last bucket of a
+        CPU step, later by the compute in between for a bucket seen at the next one. On CUDA
+        DDP's wait only orders the streams; a bucket still running on the GPU is seen at the
+        next bucket, backward pass or heartbeat poll (up to a step late)."""
         items, self.open = self.open, []
         still: list[tuple[Any, Token]] = []
         recorder = self.recorder
