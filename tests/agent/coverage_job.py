@@ -6,8 +6,8 @@ Tracehound (but for ddp_untraced, which asks for a model left untraced): it runs
 torch.distributed calls of its scenario and prints what the tests compare
 the records with, as `fact <json>` lines.
 
-    python coverage_job.py SCENARIO    (ddp, ddp_untraced, fsdp2, pipeline, subgroups, alltoall,
-                                        objects, async, inflight)
+    python coverage_job.py SCENARIO    (ddp, ddp_hooks, ddp_untraced, fsdp2, pipeline,
+                                        subgroups, alltoall, objects, async, inflight)
 """
 
 from __future__ import annotations
@@ -53,6 +53,40 @@ def ddp(rank: int, world: int) -> None:
         )
         fact(kind="ddp_step", step=step, averaged=averaged)
         opt.step()
+
+
+def ddp_hooks(rank: int, world: int) -> None:
+    """Two models, two steps each: one with torch's Python allreduce_hook (its dist.all_reduce
+    is what gets recorded, once per bucket), one with DDP's built-in C++ fp16 hook (its
+    all-reduce goes through the reducer's process group). Then each all-gathers its gradients
+    to compare them across ranks. Prints how often the Python hook ran."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    python_hooked = DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)),
+                                            bucket_cap_mb=0.0001)
+    calls = [0]
+
+    # (no annotations: DDP checks a hook's against its own types)
+    def counted(state, bucket):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    python_hooked.register_comm_hook(None, counted)
+    builtin = DistributedDataParallel(nn.Sequential(nn.Linear(16, 4)), bucket_cap_mb=0.0001)
+    builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    for name, model in (("python", python_hooked), ("builtin", builtin)):
+        for _ in range(2):
+            model(torch.randn(8, 16)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        gathered = [[torch.zeros_like(g) for g in grads] for _ in range(world)]
+        for i, g in enumerate(grads):
+            dist.all_gather([other[i] for other in gathered], g)
+        same = all(torch.allclose(g, other[i], atol=1e-3)
+                   for other in gathered for i, g in enumerate(grads))
+        fact(kind="ddp_hook", model=name, params=len(grads), hook_calls=calls[0],
+             same_grads=same)
 
 
 def ddp_untraced(rank: int, world: int) -> None:
@@ -286,7 +320,8 @@ def inflight(rank: int, world: int) -> None:
 
 
 SCENARIOS = {
-    "ddp": ddp, "ddp_untraced": ddp_untraced, "fsdp2": fsdp2, "pipeline": pipeline,
+    "ddp": ddp, "ddp_hooks": ddp_hooks, "ddp_untraced": ddp_untraced, "fsdp2": fsdp2,
+    "pipeline": pipeline,
     "subgroups": subgroups, "alltoall": alltoall, "objects": objects, "async": async_ops,
     "inflight": inflight,
 }

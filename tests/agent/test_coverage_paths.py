@@ -34,6 +34,25 @@ def test_ddp_gradient_all_reduces(tmp_path: Path) -> None:
     assert all(d >= 0 for d in ends.values())
 
 
+def test_ddp_with_comm_hooks_is_recorded_once_per_bucket(tmp_path: Path) -> None:
+    """A user's Python comm hook is left to run (its dist.all_reduce is what is recorded, once
+    per bucket, not again by the reducer's group); DDP's built-in C++ hook all-reduces through
+    the reducer's group and is recorded there."""
+    run = run_scenario("ddp_hooks", 2, tmp_path)
+    ops = ops_of(assert_same_calls(run)["0"])
+    python, builtin = [f for f in run.facts[0] if f["kind"] == "ddp_hook"]
+    assert python["model"] == "python" and builtin["model"] == "builtin"
+    assert python["same_grads"] and builtin["same_grads"]
+    # all_reduce x (the hook's calls), all_gather x 4 params, all_reduce x (buckets of the
+    # built-in hook, >= 1 per step), all_gather x 2 params
+    hook_calls = python["hook_calls"]
+    assert hook_calls >= 2
+    rest = ops[hook_calls + 4:]
+    assert ops[:hook_calls + 4] == ["all_reduce"] * hook_calls + ["all_gather"] * 4
+    assert rest[-2:] == ["all_gather"] * 2
+    assert len(rest) >= 4 and set(rest[:-2]) == {"all_reduce"}
+
+
 def test_a_ddp_model_built_untraced_keeps_its_own_all_reduce(tmp_path: Path) -> None:
     run = run_scenario("ddp_untraced", 2, tmp_path)
     calls = assert_same_calls(run)
