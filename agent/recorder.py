@@ -323,14 +323,14 @@ class Recorder:
 
     def add_settler(self, settle: Callable[[], None]) -> None:
         """`settle` (a bound method) ends the calls it holds that have completed; it is called
-        from the heartbeat thread and at close, as long as its object lives."""
+        from the heartbeat thread, at every optimizer step and at close, as long as its object
+        lives."""
         with self._lock:
             self._settlers = [s for s in self._settlers if s() is not None]
             self._settlers.append(weakref.WeakMethod(settle))
 
-    def poll(self) -> None:
-        """Finish the events of polled works that have completed, and let the settlers end
-        theirs."""
+    def settle(self) -> None:
+        """Let the settlers end the calls of theirs that have completed."""
         for ref in self._settlers:
             settle = ref()
             if settle is not None:
@@ -338,6 +338,11 @@ class Recorder:
                     settle()
                 except Exception as exc:
                     self.note_error("settle", exc)
+
+    def poll(self) -> None:
+        """Finish the events of polled works that have completed, and let the settlers end
+        theirs."""
+        self.settle()
         if not self._polled:
             return
         with self._lock:
@@ -389,7 +394,10 @@ class Recorder:
         self._steps_paused = paused
 
     def optimizer_stepped(self, optimizer: object) -> None:
-        """Optimizer step post-hook: one training step per step of the first optimizer seen."""
+        """Optimizer step post-hook: one training step per step of the first optimizer seen.
+        Every optimizer step also ends the DDP buckets seen completed by then (`settle`)."""
+        if self._settlers:
+            self.settle()
         if self._steps_paused:
             return
         key = id(optimizer)

@@ -336,29 +336,21 @@ class _Inner:
         return self.works.pop(0)
 
 
-class _Engine:
-    def __init__(self) -> None:
-        self.queued: list[Any] = []
-
-    def queue_callback(self, callback: Any) -> None:
-        self.queued.append(callback)
-
-
 def test_ddp_buckets_end_when_seen_completed_in_order() -> None:
     """A DDP bucket's all_reduce ends when it is seen completed: at the next bucket, or at the
-    end of the backward pass, after DDP's own wait (the final callback queues a second one
-    behind DDP's). Works are ended in order (a later one that completed first waits for the
-    earlier), a failed one as failed, at the time they are seen."""
+    next optimizer step (after DDP's own wait at the end of the backward pass). Works are ended
+    in order (a later one that completed first waits for the earlier), a failed one as failed,
+    at the time they are seen."""
     clock = FakeClock()
     sink = FakeSink()
     rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=clock)
     works = [_Work(), _Work(), _Work(RuntimeError("Connection closed by peer"))]
-    engine = _Engine()
-    reducer = hooks._Reducer(_Inner(list(works)), "0", rec, engine)
+    reducer = hooks._Reducer(_Inner(list(works)), "0", rec)
+    rec.add_settler(reducer.settle)
+    optimizer = object()
     bucket = [torch.zeros(4)]
 
     assert reducer.allreduce(bucket, None) is works[0]
-    assert len(engine.queued) == 1  # once per backward pass
     clock.tick(100)
     works[1].done = True  # the second completes before the first
     reducer.allreduce(bucket, None)
@@ -368,30 +360,43 @@ def test_ddp_buckets_end_when_seen_completed_in_order() -> None:
     reducer.allreduce(bucket, None)  # sees both completed
     assert [(e.seq, e.complete_us - e.enqueue_us) for e in sink.of(CollectiveEvent)] == [
         (1, 200), (2, 100)]
-    assert len(engine.queued) == 1
-    engine.queued.pop()()  # DDP's finalize is queued behind: this only queues again
-    assert len(sink.of(CollectiveEvent)) == 2 and len(engine.queued) == 1
+    rec.optimizer_stepped(optimizer)  # the third is still running: nothing more ends
+    assert len(sink.of(CollectiveEvent)) == 2 and len(reducer.open) == 1
     clock.tick(50)
     works[2].done = True
-    engine.queued.pop()()
+    rec.optimizer_stepped(optimizer)
     last = sink.of(CollectiveEvent)[-1]
     assert (last.seq, last.state, last.complete_us - last.enqueue_us) == (
         3, CollectiveState.FAILED, 50)
-    assert reducer.open == [] and not reducer.callback_queued
-    # the next backward pass queues its callback again
-    reducer.inner = _Inner([_Work()])
-    reducer.allreduce(bucket, None)
-    assert len(engine.queued) == 1
+    assert reducer.open == [] and rec.step == 2
+
+
+def test_ddp_settling_on_two_threads_at_once_ends_each_bucket_once() -> None:
+    """The training thread and the heartbeat thread may settle at the same moment: the one that
+    finds the other settling skips its turn, so no bucket is ended twice or lost."""
+    sink = FakeSink()
+    rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=FakeClock())
+    works = [_Work(), _Work()]
+    reducer = hooks._Reducer(_Inner(list(works)), "0", rec)
+    reducer.allreduce([torch.zeros(4)], None)
+    works[0].done = True
+    with reducer.settling:  # the other thread is settling
+        reducer.allreduce([torch.zeros(4)], None)
+        assert sink.of(CollectiveEvent) == [] and len(reducer.open) == 2
+    works[1].done = True
+    reducer.settle()
+    reducer.settle()
+    assert [e.seq for e in sink.of(CollectiveEvent)] == [1, 2] and reducer.open == []
 
 
 def test_the_heartbeat_thread_settles_ddp_buckets_while_the_model_lives() -> None:
-    """A rank that stops after its last bucket (no callback comes) still gets its completed
+    """A rank that stops after its last bucket (no optimizer step comes) still gets its completed
     all_reduce ended: the recorder's poll asks the model's reducer; once the model is gone the
     recorder forgets it."""
     sink = FakeSink()
     rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=FakeClock())
     work = _Work()
-    reducer = hooks._Reducer(_Inner([work]), "0", rec, _Engine())
+    reducer = hooks._Reducer(_Inner([work]), "0", rec)
     rec.add_settler(reducer.settle)
     reducer.allreduce([torch.zeros(4)], None)
     rec.poll()
@@ -400,6 +405,6 @@ def test_the_heartbeat_thread_settles_ddp_buckets_while_the_model_lives() -> Non
     rec.poll()
     assert [e.state for e in sink.of(CollectiveEvent)] == [CollectiveState.COMPLETED]
     del reducer
-    gc.collect()  # (the engine's queued callback and the reducer refer to each other)
+    gc.collect()
     rec.poll()
     assert [ref() for ref in rec._settlers] == [None]

@@ -1,0 +1,188 @@
+"""What tracing a DDP model costs its training process, by part: CPU time per step.
+
+One process, a one-rank gloo group, three identical DDP models trained in alternating blocks of
+steps (so the machine's drift hits all alike), timed by this process's CPU time:
+
+- `plain`: DDP's own C++ all-reduce, nothing recorded;
+- `forwarding`: the reducer all-reduces through a Python subclass of c10d's ProcessGroup that
+  only forwards to the real group: what the route through Python costs by itself (pybind's
+  override lookup, the tensors and options handed to Python and back, the GIL taken in the
+  backward pass);
+- `traced`: Tracehound's own group (`hooks._trace_ddp`): the same route, plus recording each
+  bucket and ending it at the next bucket or optimizer step, shipped by a real transport to a
+  real node agent process.
+
+A one-rank all-reduce has no peer to wait for, so this measures the work on the training
+thread, which a multi-rank job pays on every rank whatever its network; what it leaves out is
+the node agent's own CPU and the sender thread's (bench/overhead.py times a 4-rank job whole).
+
+    python bench/ddp_trace_cost.py [--rounds N] [--block-steps S] [--width W] [--json]
+
+Prints the median over rounds of each model's CPU per step minus `plain`'s in the same round,
+with the rounds' quartiles (a benchmark, never a test: nothing here gates on time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def forwarding_group(dist: Any, inner: Any) -> Any:
+    """A ProcessGroup subclass that forwards `allreduce` to `inner` and records nothing."""
+    base = dist.ProcessGroup
+
+    class Forwarding(base):  # type: ignore[misc, valid-type]
+        def allreduce(self, *args: Any) -> Any:
+            return inner.allreduce(*args)
+
+    group = Forwarding(inner.rank(), inner.size())
+    group._set_default_backend(base.BackendType.GLOO)
+    for device in inner._device_types:
+        group._register_backend(device, base.BackendType.GLOO, inner._get_backend(device))
+    return group
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tracehound.agent import hooks
+    from tracehound.agent.recorder import Recorder
+    from tracehound.agent.transport import SocketTransport
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="tracehound-ddpcost-"))
+    path = tmp / "agent.sock"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "tracehound.agent.node", "--job", "bench", "--node", "n0",
+         "--socket", str(path), "--spool", str(tmp / "spool"),
+         # nothing listens there: the agent spools to disk and retries shipping in the back
+         "--sink", f"http://127.0.0.1:{free_port()}",
+         "--proc-interval", "0", "--stack-after", "0", "--drain-s", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            if time.monotonic() > deadline or agent.poll() is not None:
+                raise RuntimeError("the node agent did not start")
+            time.sleep(0.05)
+        transport = SocketTransport(str(path), bound=1 << 20)
+        recorder = Recorder(job="bench", attempt=0, node="n0", rank=0, sink=transport)
+
+        def activate() -> None:
+            transport.start()
+            recorder.start()
+
+        hooks.install_distributed(recorder, on_group=activate)
+        hooks.install_optimizer(recorder)
+        dist.init_process_group("gloo", init_method=f"file://{tmp / 'pg'}", rank=0,
+                                world_size=1)
+        inner = dist.distributed_c10d._get_default_group()
+
+        def net() -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(),
+                                 nn.Linear(args.width, 1))
+
+        models = {kind: DistributedDataParallel(net()) for kind in KINDS}
+        forwarding = forwarding_group(dist, inner)  # held: the C++ reducer holds the C++ side
+        models["forwarding"].reducer._update_process_group(forwarding)
+        traced = hooks._trace_ddp(models["traced"], recorder)  # held, as install_ddp does
+        optimizers = {kind: torch.optim.SGD(m.parameters(), lr=0.01)
+                      for kind, m in models.items()}
+        x = torch.randn(args.batch, args.width)
+        y = x.sum(dim=1, keepdim=True).sin()
+        loss_fn = nn.MSELoss()
+
+        def block(kind: str, steps: int) -> float:
+            model, optimizer = models[kind], optimizers[kind]
+            cpu = time.process_time()
+            for _ in range(steps):
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+            return (time.process_time() - cpu) / steps * 1e6
+
+        group = recorder._group(str(traced.name))
+        for kind in KINDS:
+            before = group.last_enqueued
+            block(kind, args.warmup_steps)
+            recorded = group.last_enqueued - before
+            if recorded != (args.warmup_steps if kind == "traced" else 0):
+                raise RuntimeError(f"the {kind} model recorded {recorded} all-reduces in "
+                                   f"{args.warmup_steps} steps")
+        rounds: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        for i in range(args.rounds):
+            for kind in (KINDS if i % 2 == 0 else KINDS[::-1]):
+                rounds[kind].append(block(kind, args.block_steps))
+        result: dict[str, Any] = {
+            "plain_cpu_us_per_step": round(statistics.median(rounds["plain"]), 2),
+            "rounds": args.rounds, "block_steps": args.block_steps, "width": args.width,
+        }
+        for kind in KINDS[1:]:
+            diffs = [a - b for a, b in zip(rounds[kind], rounds["plain"], strict=True)]
+            q1, _, q3 = statistics.quantiles(diffs, n=4)
+            result[f"{kind}_extra_cpu_us_per_step"] = round(statistics.median(diffs), 2)
+            result[f"{kind}_extra_iqr"] = [round(q1, 2), round(q3, 2)]
+        transport.flush(30.0)
+        result["records_sent"] = transport.sent
+        result["records_dropped"] = transport.dropped
+        return result
+    finally:
+        agent.terminate()
+        try:
+            agent.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+
+
+KINDS = ("plain", "forwarding", "traced")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=40,
+                        help="rounds, one block of each model per round (default 40)")
+    parser.add_argument("--block-steps", type=int, default=200,
+                        help="steps per block (default 200)")
+    parser.add_argument("--warmup-steps", type=int, default=300,
+                        help="per model, not timed (default 300)")
+    parser.add_argument("--width", type=int, default=64,
+                        help="hidden width (default 64, the model of bench/overhead.py)")
+    parser.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:36s} {value}")
+    sys.stdout.flush()
+    # torch's gloo teardown at exit can hang on a GIL deadlock (see bench/overhead.py); the
+    # figures are out
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
