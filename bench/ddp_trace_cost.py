@@ -27,20 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from overhead import start_agent, stop_agent
 
 
 def forwarding_group(dist: Any, inner: Any) -> Any:
@@ -70,21 +66,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="tracehound-ddpcost-"))
-    path = tmp / "agent.sock"
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "tracehound.agent.node", "--job", "bench", "--node", "n0",
-         "--socket", str(path), "--spool", str(tmp / "spool"),
-         # nothing listens there: the agent spools to disk and retries shipping in the back
-         "--sink", f"http://127.0.0.1:{free_port()}",
-         "--proc-interval", "0", "--stack-after", "0", "--drain-s", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    agent, path = start_agent(tmp)
     try:
-        deadline = time.monotonic() + 30
-        while not path.exists():
-            if time.monotonic() > deadline or agent.poll() is not None:
-                raise RuntimeError("the node agent did not start")
-            time.sleep(0.05)
         transport = SocketTransport(str(path), bound=1 << 20)
         recorder = Recorder(job="bench", attempt=0, node="n0", rank=0, sink=transport)
 
@@ -148,11 +131,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         result["records_dropped"] = transport.dropped
         return result
     finally:
-        agent.terminate()
-        try:
-            agent.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            agent.kill()
+        stop_agent(agent)
 
 
 KINDS = ("plain", "forwarding", "traced")

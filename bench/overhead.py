@@ -2,23 +2,23 @@
 
 Two measurements, printed as figures (a benchmark, never a test; nothing here gates on time):
 
-1. Step time, tracing on and off interleaved inside one job (`step_time_ratio`). A 4-rank gloo
-   DDP job (torchrun under `tracehound instrument`: the recorder in every rank, a node agent
+1. Step time, tracing on and off interleaved inside one job (`step_time_ratio`). A 4-rank gloo DDP
+   job (torchrun under `tracehound instrument`: the recorder in every rank, a node agent
    shipping to the embedded store) trains three identical models in blocks of steps, round by
    round, in rotating order (see bench/overhead_job.py): `traced` (DDP's reducer all-reducing
-   through the recorder's process group, every bucket recorded and shipped), `hook` (torch's
-   own Python `allreduce_hook`, nothing recorded) and `plain` (DDP's own C++ all-reduce,
-   nothing recorded). Each round gives one ratio per pair of models (block times averaged over
-   the ranks); a run's ratio is the median of its rounds, and `step_time_ratio` (traced /
-   plain) is the median over all rounds of all --runs runs, printed with each run's ratio
-   (`run_ratios`, the run-to-run spread) and the rounds' spread. `python_hook_ratio` (hook /
-   plain) is what DDP charges any Python comm hook in the same job (the way Tracehound traced
-   DDP before its process group), and `traced_vs_python_hook_ratio` (traced / hook) compares
-   the two; `cpu_ratio` compares the ranks' CPU time per block (traced / plain). With
-   --control a first run has the traced model untraced too: `control_ratio` is the noise
-   floor. The agent and store run through every block (their work on a traced block's records
-   can spill into the next one), so this is the cost inside the ranks plus what of the agent's
-   falls in the traced blocks.
+   through the recorder's process group, every bucket recorded and shipped), `hook` (torch's own
+   Python `allreduce_hook`, each bucket recorded through the wrapped `dist.all_reduce`) and
+   `plain` (DDP's own C++ all-reduce, nothing recorded). Each round gives one ratio per pair of
+   models (block times averaged over the ranks); a run's ratio is the median of its rounds, and
+   `step_time_ratio` (traced / plain) is the median over all rounds of all --runs runs, printed
+   with each run's ratio (`run_ratios`, the run-to-run spread) and the rounds' spread.
+   `python_hook_ratio` (hook / plain) is what a Python comm hook recording each bucket costs in
+   the same job (the way Tracehound traced DDP before its process group), and
+   `traced_vs_python_hook_ratio` (traced / hook) compares the two; `cpu_ratio` compares the
+   ranks' CPU time per block (traced / plain). With --control a first run has the traced model
+   untraced too: `control_ratio` is the noise floor. The agent and store run through every block
+   (their work on a traced block's records can spill into the next one), so this is the cost
+   inside the ranks plus what of the agent's falls in the traced blocks.
 
    --separate-jobs N adds the whole-system figure: the demo job run again and again, recorder on
    and off (TRACEHOUND_DISABLE=1), in alternating order (`separate_jobs.step_time_ratio`, the
@@ -140,7 +140,8 @@ def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: 
 
 KINDS = ("traced", "hook", "plain")
 """The models of bench/overhead_job.py: traced through the recorder's process group, torch's
-Python allreduce_hook (untraced), DDP's C++ all-reduce (untraced)."""
+Python allreduce_hook (recorded through the wrapped dist.all_reduce), DDP's C++ all-reduce
+(untraced)."""
 
 
 def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool
@@ -282,6 +283,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_agent(tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """A real node agent process listening in `tmp`, and its socket once it listens. Nothing
+    listens at its sink: it spools to disk and retries shipping in the back."""
+    path = tmp / "agent.sock"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "tracehound.agent.node", "--job", "bench", "--node", "n0",
+         "--socket", str(path), "--spool", str(tmp / "spool"),
+         "--sink", f"http://127.0.0.1:{free_port()}",
+         "--proc-interval", "0", "--stack-after", "0", "--drain-s", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        if time.monotonic() > deadline or agent.poll() is not None:
+            stop_agent(agent)
+            raise RuntimeError("the node agent did not start")
+        time.sleep(0.05)
+    return agent, path
+
+
+def stop_agent(agent: subprocess.Popen[bytes]) -> None:
+    agent.terminate()
+    try:
+        agent.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+
+
 def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
     """Runs in a child process (it patches torch.distributed); returns the figures."""
     import torch
@@ -293,21 +322,8 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
     from tracehound.tracing.events import now_us
 
     tmp = Path(tempfile.mkdtemp(prefix="tracehound-hotpath-"))
-    path = tmp / "agent.sock"
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "tracehound.agent.node", "--job", "bench", "--node", "n0",
-         "--socket", str(path), "--spool", str(tmp / "spool"),
-         # nothing listens there: the agent spools to disk and retries shipping in the back
-         "--sink", f"http://127.0.0.1:{free_port()}",
-         "--proc-interval", "0", "--stack-after", "0", "--drain-s", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    agent, path = start_agent(tmp)
     try:
-        deadline = time.monotonic() + 30
-        while not path.exists():
-            if time.monotonic() > deadline or agent.poll() is not None:
-                raise RuntimeError("the node agent did not start")
-            time.sleep(0.05)
         dist.init_process_group("gloo", init_method=f"file://{tmp / 'pg'}", rank=0,
                                 world_size=1)
         transport = SocketTransport(str(path), bound=max(4 * calls, 65536))
@@ -442,11 +458,7 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
             "records_sent": transport.sent,
         }
     finally:
-        agent.terminate()
-        try:
-            agent.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            agent.kill()
+        stop_agent(agent)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -6,9 +6,10 @@ same layers, same data) that differ only in how their gradient buckets are all-r
 
 - `traced`: DDP's reducer all-reduces through the recorder's process group (a Python subclass of
   c10d's ProcessGroup forwarding to the real one), every bucket recorded and shipped;
-- `hook`: built inside `hooks.untraced_ddp()` with torch's own Python `allreduce_hook`: nothing
-  recorded; what tracing DDP through a Python comm hook would cost at least (DDP divides the
-  bucket in a pass of its own and holds the GIL to call the hook and read its result);
+- `hook`: built inside `hooks.untraced_ddp()` with torch's own Python `allreduce_hook`, whose
+  `dist.all_reduce` is the recorder's wrapped one: every bucket recorded, the way Tracehound
+  traced DDP through a Python comm hook before (DDP divides the bucket in a pass of its own and
+  holds the GIL to call the hook and read its result);
 - `plain`: built inside `hooks.untraced_ddp()`, DDP's own C++ all-reduce, nothing recorded.
 
 It trains them in blocks of --block-steps steps, round by round, each round in one of the six
