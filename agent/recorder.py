@@ -210,8 +210,8 @@ class Recorder:
         # ordered), see poll_later.
         self._polled: list[tuple[Any, Token, bool]] = []
         # Who else holds calls whose completion is seen by looking (DDP models): called from the
-        # heartbeat thread before each look at what is pending, and at close. Weak: a model
-        # that goes away takes its entry with it.
+        # heartbeat thread before each look at what is pending, at every optimizer step and at
+        # close. Weak: a model that goes away takes its entry with it.
         self._settlers: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()

@@ -4,8 +4,9 @@ One process, a one-rank gloo group, three identical DDP models trained in altern
 steps (so the machine's drift hits all alike), timed by this process's CPU time:
 
 - `plain`: DDP's own C++ all-reduce, nothing recorded;
-- `forwarding`: the reducer all-reduces through a Python subclass of c10d's ProcessGroup that
-  only forwards to the real group: what the route through Python costs by itself (pybind's
+- `forwarding`: the reducer all-reduces through Tracehound's Python subclass of c10d's
+  ProcessGroup (`hooks._reducer_group`) around a stand-in reducer that only forwards to the real
+  group: what the route through Python costs by itself (pybind's
   override lookup, the tensors and options handed to Python and back, the GIL taken in the
   backward pass);
 - `traced`: Tracehound's own group (`hooks._trace_ddp`): the same route, plus recording each
@@ -32,26 +33,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overhead import start_agent, stop_agent
-
-
-def forwarding_group(dist: Any, inner: Any) -> Any:
-    """A ProcessGroup subclass that forwards `allreduce` to `inner` and records nothing."""
-    base = dist.ProcessGroup
-
-    class Forwarding(base):  # type: ignore[misc, valid-type]
-        def allreduce(self, *args: Any) -> Any:
-            return inner.allreduce(*args)
-
-    group = Forwarding(inner.rank(), inner.size())
-    group._set_default_backend(base.BackendType.GLOO)
-    for device in inner._device_types:
-        group._register_backend(device, base.BackendType.GLOO, inner._get_backend(device))
-    return group
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,7 +74,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                  nn.Linear(args.width, 1))
 
         models = {kind: DistributedDataParallel(net()) for kind in KINDS}
-        forwarding = forwarding_group(dist, inner)  # held: the C++ reducer holds the C++ side
+        # Tracehound's own group around a stand-in reducer that forwards and records nothing;
+        # held: the C++ reducer holds the C++ side only
+        forwarding = hooks._reducer_group(
+            dist, SimpleNamespace(inner=inner, allreduce=inner.allreduce))
         models["forwarding"].reducer._update_process_group(forwarding)
         traced = hooks._trace_ddp(models["traced"], recorder)  # held, as install_ddp does
         optimizers = {kind: torch.optim.SGD(m.parameters(), lr=0.01)

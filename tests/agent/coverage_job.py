@@ -321,9 +321,8 @@ def inflight(rank: int, world: int) -> None:
 
 SCENARIOS = {
     "ddp": ddp, "ddp_hooks": ddp_hooks, "ddp_untraced": ddp_untraced, "fsdp2": fsdp2,
-    "pipeline": pipeline,
-    "subgroups": subgroups, "alltoall": alltoall, "objects": objects, "async": async_ops,
-    "inflight": inflight,
+    "pipeline": pipeline, "subgroups": subgroups, "alltoall": alltoall, "objects": objects,
+    "async": async_ops, "inflight": inflight,
 }
 
 
