@@ -308,6 +308,49 @@ def test_nested_wrapped_calls_count_once() -> None:
     assert [(e.op, e.seq) for e in events] == [("barrier", 1)]
 
 
+def test_a_tensor_subclass_dispatching_back_into_a_leaf_collective_counts_once() -> None:
+    """A leaf collective (its code calls no other wrapped function) skips setting the depth
+    guard for plain tensors; a tensor subclass's `__torch_function__` dispatch calls the same
+    function again, so for those the guard is set."""
+    sink = FakeSink()
+    rec = make(sink)
+    inst = installer(rec)
+
+    class Sub(torch.Tensor):
+        pass
+
+    def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        if type(tensor) is Sub:  # what handle_torch_function ends up doing
+            wrapped(tensor.as_subclass(torch.Tensor), op, group, async_op)
+
+    # as torch's all_reduce is (it dispatches through its own global name)
+    wrapped = inst.wrap_collective(hooks._spec("all_reduce", all_reduce), all_reduce, leaf=True)
+    wrapped(torch.zeros(2).as_subclass(Sub))
+    wrapped(torch.zeros(2))
+    events = sink.of(CollectiveEvent)
+    assert [(e.op, e.seq, e.nbytes) for e in events] == [("all_reduce", 1, 8), ("all_reduce", 2, 8)]
+
+
+def test_leaf_collectives_are_told_from_those_that_call_others() -> None:
+    """`_is_leaf` on torch's own functions (through their logging decorators) and on closures."""
+    c10d = torch.distributed.distributed_c10d
+    assert hooks._is_leaf(c10d.all_reduce)
+    assert hooks._is_leaf(c10d.barrier)
+    for calls_others in (c10d.all_gather_object, c10d.broadcast_object_list, c10d.send,
+                         c10d._all_gather_base, c10d.reduce_scatter_tensor):
+        assert not hooks._is_leaf(calls_others), calls_others
+    inner = installer(make()).wrap("all_reduce", all_reduce)
+
+    def closes_over_a_wrapped_one(group: Any = None) -> None:
+        inner(torch.zeros(1))
+
+    def calls_a_helper_that_does(group: Any = None) -> None:
+        closes_over_a_wrapped_one(group)
+
+    assert not hooks._is_leaf(closes_over_a_wrapped_one)
+    assert not hooks._is_leaf(calls_a_helper_that_does)
+
+
 class _Work:
     """A gloo work stand-in: completed or not, its future holding the result or `error`."""
 
