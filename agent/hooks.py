@@ -713,7 +713,8 @@ class _Reducer:
     """What the process group a DDP reducer all-reduces through knows: where to record, the
     real group, and the all-reduces issued and not yet seen complete."""
 
-    __slots__ = ("__weakref__", "group", "inner", "name", "open", "recorder", "settling")
+    __slots__ = ("__weakref__", "dtypes", "group", "inner", "name", "open", "recorder",
+                 "settling")
 
     def __init__(self, inner: Any, name: str, recorder: Recorder) -> None:
         self.inner = inner
@@ -727,6 +728,11 @@ class _Reducer:
         """The group the reducer calls (`_reducer_group`). Held here, by the model: the C++
         reducer holds the C++ object only, and without its Python object the calls would go
         straight to the backend, untraced."""
+        self.dtypes: dict[Any, str] = {}
+
+    def dtype(self, dtype: Any) -> str:
+        text = self.dtypes[dtype] = str(dtype).removeprefix("torch.")
+        return text
 
     def allreduce(self, tensors: Any, opts: Any) -> Any:
         """One bucket (or DDP's used-parameter map): recorded as an all_reduce of the real group,
@@ -735,8 +741,15 @@ class _Reducer:
         recorder = self.recorder
         token: Token | None = None
         try:
-            nbytes = sum(t.nbytes for t in tensors)
-            dtype = str(tensors[0].dtype).removeprefix("torch.") if len(tensors) else ""
+            if len(tensors) == 1:  # a bucket is one flat tensor
+                tensor = tensors[0]
+                nbytes = tensor.nbytes
+            else:
+                tensor = tensors[0] if len(tensors) else None
+                nbytes = sum(t.nbytes for t in tensors)
+            dtype = ""
+            if tensor is not None:
+                dtype = self.dtypes.get(tensor.dtype) or self.dtype(tensor.dtype)
             token = recorder.begin(self.name, "all_reduce", nbytes, dtype)
         except Exception as exc:
             recorder.note_error("DDP all_reduce", exc)
@@ -811,7 +824,7 @@ def _reducer_group(dist: Any, reducer: _Reducer) -> Any:
 
     class TracedReducerGroup(base):  # type: ignore[misc, valid-type]
         def allreduce(self, *args: Any) -> Any:
-            if len(args) == 2 and isinstance(args[0], list):
+            if len(args) == 2 and type(args[0]) is list:
                 return reducer.allreduce(*args)
             return inner.allreduce(*args)
 

@@ -151,7 +151,8 @@ def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool
     script = [
         str(Path(__file__).with_name("overhead_job.py")), "--rounds", str(args.rounds),
         "--block-steps", str(args.block_steps), "--width", str(args.width),
-        "--batch", str(args.batch), *(["--control"] if control else []),
+        "--batch", str(args.batch), "--layers", str(args.layers),
+        "--bucket-cap-mb", str(args.bucket_cap_mb), *(["--control"] if control else []),
     ]
     out, err = instrumented(script, job="overhead", ranks=args.nnodes * args.nproc_per_node,
                             workdir=workdir, env=job_env(), timeout_s=1800)
@@ -215,6 +216,8 @@ def interleaved(args: argparse.Namespace) -> dict[str, Any]:
         "rounds_per_run": args.rounds,
         "block_steps": args.block_steps,
         "width": args.width,
+        "layers": args.layers,
+        "bucket_cap_mb": args.bucket_cap_mb,
         "ranks": args.nnodes * args.nproc_per_node,
         "launcher": "instrument",
     })
@@ -511,6 +514,11 @@ def main() -> int:
                         help="hidden width of the demo model (default 64: ~6 ms steps, the "
                              "worst case; 1024 gives steps of tens of ms)")
     parser.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="hidden layers of the interleaved job's model (default 1)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="DDP's bucket_cap_mb in the interleaved job (default 25, DDP's "
+                             "own; 1 with --width 512 gives a bucket per hidden layer)")
     parser.add_argument("--step-sleep-ms", type=float, default=0.0,
                         help="extra time per step, as a stand-in for a heavier model")
     parser.add_argument("--calls", type=int, default=20000,

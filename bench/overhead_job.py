@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=60, help="per model, not timed")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=1,
+                        help="hidden Linear+ReLU layers of width --width before the output one")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="DDP's bucket_cap_mb (25 is DDP's own default)")
     parser.add_argument("--control", action="store_true",
                         help="the `traced` model untraced too (the noise floor)")
     return parser.parse_args(argv)
@@ -69,20 +73,24 @@ def main(argv: list[str] | None = None) -> int:
 
     def net() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(),
-                             nn.Linear(args.width, 1))
+        hidden = [m for _ in range(args.layers)
+                  for m in (nn.Linear(args.width, args.width), nn.ReLU())]
+        return nn.Sequential(*hidden, nn.Linear(args.width, 1))
+
+    def ddp(module: nn.Module) -> DistributedDataParallel:
+        return DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb)
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if args.control:
         with hooks.untraced_ddp():
-            traced = DistributedDataParallel(net())
+            traced = ddp(net())
     else:
-        traced = DistributedDataParallel(net())
+        traced = ddp(net())
     with hooks.untraced_ddp():
-        hooked = DistributedDataParallel(net())
+        hooked = ddp(net())
         hooked.register_comm_hook(None, default_hooks.allreduce_hook)
-        plain = DistributedDataParallel(net())
+        plain = ddp(net())
     if (getattr(traced, "_tracehound_reducer", None) is None) != args.control:
         print("overhead_job: the traced model's all-reduces are not traced",
               file=sys.stderr, flush=True)
