@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from tracehound.tracing.settings import (
     DEFAULT_BUFFER_RECORDS,
+    DEFAULT_DDP_TRACE_EVERY,
     DEFAULT_HEARTBEAT_S,
     DEFAULT_INFLIGHT_S,
     MIN_BUFFER_RECORDS,
     MIN_HEARTBEAT_S,
     TRACEHOUND_AGENT_SOCKET,
     TRACEHOUND_BUFFER_RECORDS,
+    TRACEHOUND_DDP_TRACE_EVERY,
     TRACEHOUND_DISABLE,
     TRACEHOUND_EXIT_FILE,
     TRACEHOUND_HEARTBEAT_S,
@@ -72,8 +74,8 @@ def _patch_distributed() -> None:
 def _patch_ddp() -> None:
     from tracehound.agent import hooks
 
-    if _recorder is not None:
-        hooks.install_ddp(_recorder)
+    if _recorder is not None and _env is not None:
+        hooks.install_ddp(_recorder, every=_ddp_trace_every(_env))
 
 
 def _patch_optimizer() -> None:
@@ -109,6 +111,11 @@ def _heartbeat_s(env: Mapping[str, str]) -> float:
     """TRACEHOUND_HEARTBEAT_S of `env`, checked (SettingError)."""
     return env_float(TRACEHOUND_HEARTBEAT_S, DEFAULT_HEARTBEAT_S, env=env,
                      minimum=MIN_HEARTBEAT_S)
+
+
+def _ddp_trace_every(env: Mapping[str, str]) -> int:
+    """TRACEHOUND_DDP_TRACE_EVERY of `env`, checked (SettingError)."""
+    return env_int(TRACEHOUND_DDP_TRACE_EVERY, DEFAULT_DDP_TRACE_EVERY, env=env, minimum=1)
 
 
 def _inflight_s(env: Mapping[str, str]) -> float:
@@ -255,6 +262,7 @@ def install(env: dict[str, str] | None = None) -> bool:
     _buffer_records(source)
     _heartbeat_s(source)
     _inflight_s(source)
+    _ddp_trace_every(source)
     _env = source
     sys.meta_path.insert(0, PostImportFinder())
     for name in PATCHES:

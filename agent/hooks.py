@@ -713,8 +713,8 @@ class _Reducer:
     """What the process group a DDP reducer all-reduces through knows: where to record, the
     real group, and the all-reduces issued and not yet seen complete."""
 
-    __slots__ = ("__weakref__", "dtypes", "group", "inner", "name", "open", "recorder",
-                 "settling")
+    __slots__ = ("__weakref__", "cpp", "dtypes", "every", "group", "inner", "name", "open",
+                 "recorder", "routed", "settling", "steps")
 
     def __init__(self, inner: Any, name: str, recorder: Recorder) -> None:
         self.inner = inner
@@ -729,6 +729,25 @@ class _Reducer:
         reducer holds the C++ object only, and without its Python object the calls would go
         straight to the backend, untraced."""
         self.dtypes: dict[Any, str] = {}
+        self.every = 1
+        """Buckets are routed through `group` one training step in this many (`stepped`)."""
+        self.cpp: Any = None
+        """The model's C++ reducer, when `every` > 1."""
+        self.steps = 0
+        self.routed = True
+
+    def stepped(self) -> None:
+        """A training step ended (the recorder's step hook, on the training thread, only when
+        `every` > 1): the next step's buckets go through the traced group if it is one of every
+        `every`, straight to the real group otherwise. Every rank counts the same optimizer
+        steps, so all switch alike; between steps no bucket is in flight on this side (DDP
+        waited for them at the end of the backward pass; on CUDA a running one keeps the group
+        it was issued on)."""
+        self.steps += 1
+        traced = self.steps % self.every == 0
+        if traced != self.routed:
+            self.cpp._update_process_group(self.group if traced else self.inner)
+            self.routed = traced
 
     def dtype(self, dtype: Any) -> str:
         text = self.dtypes[dtype] = str(dtype).removeprefix("torch.")
@@ -876,9 +895,10 @@ def _unsafe_reason(model: Any) -> str:
     return ""
 
 
-def _trace_ddp(model: Any, recorder: Recorder) -> Any:
+def _trace_ddp(model: Any, recorder: Recorder, every: int = 1) -> Any:
     """Give `model`'s reducer a process group that records its all-reduces (the model's own
-    `process_group` stays the real one); returns the `_Reducer`."""
+    `process_group` stays the real one), one training step in `every` (the first is one);
+    returns the `_Reducer`."""
     dist: Any = importlib.import_module("torch.distributed")
     inner = model.process_group
     if _installer is not None:
@@ -890,11 +910,16 @@ def _trace_ddp(model: Any, recorder: Recorder) -> Any:
     reducer.group = _reducer_group(dist, reducer)
     model.reducer._update_process_group(reducer.group)
     recorder.add_settler(reducer.settle)
+    if every > 1:
+        reducer.every = every
+        reducer.cpp = model.reducer
+        recorder.add_step_hook(reducer.stepped)
     return reducer
 
 
-def install_ddp(recorder: Recorder) -> bool:
-    """Trace the gradient all-reduces of each new DDP model (see `_trace_ddp`)."""
+def install_ddp(recorder: Recorder, every: int = 1) -> bool:
+    """Trace the gradient all-reduces of each new DDP model, one training step in `every` (see
+    `_trace_ddp`)."""
     ddp_module: Any = importlib.import_module("torch.nn.parallel.distributed")
 
     ddp = ddp_module.DistributedDataParallel
@@ -913,7 +938,7 @@ def install_ddp(recorder: Recorder) -> bool:
                 log.info("tracehound leaves this DDP model's gradient all-reduce untraced: %s",
                          reason)
                 return
-            self._tracehound_reducer = _trace_ddp(self, recorder)
+            self._tracehound_reducer = _trace_ddp(self, recorder, every)
             ddp_stats.hooked += 1
         except Exception as exc:
             ddp_stats.skipped += 1

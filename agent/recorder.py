@@ -213,6 +213,8 @@ class Recorder:
         # heartbeat thread before each look at what is pending, at every optimizer step and at
         # close. Weak: a model that goes away takes its entry with it.
         self._settlers: list[weakref.WeakMethod[Callable[[], None]]] = []
+        # Called at each training step (after the settlers), on the training thread; weak too.
+        self._step_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -329,6 +331,13 @@ class Recorder:
             self._settlers = [s for s in self._settlers if s() is not None]
             self._settlers.append(weakref.WeakMethod(settle))
 
+    def add_step_hook(self, hook: Callable[[], None]) -> None:
+        """`hook` (a bound method) is called at every training step (an optimizer step of the
+        lead optimizer, not paused), on the training thread, as long as its object lives."""
+        with self._lock:
+            self._step_hooks = [h for h in self._step_hooks if h() is not None]
+            self._step_hooks.append(weakref.WeakMethod(hook))
+
     def settle(self) -> None:
         """Let the settlers end the calls of theirs that have completed."""
         for ref in self._settlers:
@@ -407,6 +416,13 @@ class Recorder:
             return
         self._opt_steps += 1
         self._reached()
+        for ref in self._step_hooks:
+            hook = ref()
+            if hook is not None:
+                try:
+                    hook()
+                except Exception as exc:
+                    self.note_error("step hook", exc)
 
     def _reached(self) -> None:
         now = self.clock()

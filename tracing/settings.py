@@ -52,6 +52,15 @@ DEFAULT_INFLIGHT_S = 1.0
 """Longer than the calls of a healthy step usually take, so fast heartbeats mean something is
 stuck or slow; they show its pending op and oldest sequence id at 100 ms resolution."""
 
+TRACEHOUND_DDP_TRACE_EVERY = "TRACEHOUND_DDP_TRACE_EVERY"
+"""Route a DDP model's gradient all-reduces through the recorder one training step in this many
+(default DEFAULT_DDP_TRACE_EVERY, every step); on the other steps they stay on DDP's C++ path,
+unrecorded. Each recorded bucket costs a rank ~30 us of CPU (the call from DDP's C++ reducer into
+Python), 2-3% of the step of a small CPU model; a hang inside an unrecorded step's backward is
+then seen through heartbeats and stacks only, not through the buckets' sequence ids."""
+
+DEFAULT_DDP_TRACE_EVERY = 1
+
 TRACEHOUND_BUFFER_RECORDS = "TRACEHOUND_BUFFER_RECORDS"
 """Records a rank buffers for its node agent before it drops (and counts) new ones (default
 DEFAULT_BUFFER_RECORDS, at least MIN_BUFFER_RECORDS)."""
