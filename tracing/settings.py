@@ -56,8 +56,11 @@ TRACEHOUND_DDP_TRACE_EVERY = "TRACEHOUND_DDP_TRACE_EVERY"
 """Route a DDP model's gradient all-reduces through the recorder one training step in this many
 (default DEFAULT_DDP_TRACE_EVERY, every step); on the other steps they stay on DDP's C++ path,
 unrecorded. Each recorded bucket costs a rank ~30 us of CPU (the call from DDP's C++ reducer into
-Python), 2-3% of the step of a small CPU model; a hang inside an unrecorded step's backward is
-then seen through heartbeats and stacks only, not through the buckets' sequence ids."""
+Python), 2-3% of the step of a small CPU model. Above 1 the analysis is blind on the other steps:
+peers waiting in an unrecorded all-reduce look idle, so a rank stuck outside collectives meanwhile
+is not localized (a rank that stops or dies still is, by its silence). With 16,
+tests/controller/test_run_faults.py::test_hang_inside_a_rank ended in the process group's timeout
+and named the wrong rank. Not for production use until the unrecorded steps are accounted."""
 
 DEFAULT_DDP_TRACE_EVERY = 1
 
