@@ -340,13 +340,17 @@ class Recorder:
 
     def settle(self) -> None:
         """Let the settlers end the calls of theirs that have completed."""
-        for ref in self._settlers:
-            settle = ref()
-            if settle is not None:
+        self._call_each(self._settlers, "settle")
+
+    def _call_each(self, refs: list[weakref.WeakMethod[Callable[[], None]]], where: str) -> None:
+        """Call each live method of `refs`; an error is counted, never raised."""
+        for ref in refs:
+            method = ref()
+            if method is not None:
                 try:
-                    settle()
+                    method()
                 except Exception as exc:
-                    self.note_error("settle", exc)
+                    self.note_error(where, exc)
 
     def poll(self) -> None:
         """Finish the events of polled works that have completed, and let the settlers end
@@ -416,13 +420,8 @@ class Recorder:
             return
         self._opt_steps += 1
         self._reached()
-        for ref in self._step_hooks:
-            hook = ref()
-            if hook is not None:
-                try:
-                    hook()
-                except Exception as exc:
-                    self.note_error("step hook", exc)
+        if self._step_hooks:
+            self._call_each(self._step_hooks, "step hook")
 
     def _reached(self) -> None:
         now = self.clock()
