@@ -166,6 +166,18 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> 
     return None
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+"""torch dtype -> its name without "torch." (what records carry), filled as dtypes are met."""
+
+
+def _dtype_name(dtype: Any) -> str:
+    """The name of `dtype` (cached in `_DTYPE_NAMES`; look there first on a hot path)."""
+    text = _DTYPE_NAMES.get(dtype)
+    if text is None:
+        text = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return text
+
+
 class _Groups:
     """Names of process groups, cached; the cache is cleared when groups are destroyed.
 
@@ -177,7 +189,7 @@ class _Groups:
         self.first_seen = first_seen
         self.default: tuple[Any, str] | None = None
         self.by_id: dict[int, tuple[Any, str]] = {}
-        self.dtypes: dict[Any, str] = {}
+        self.dtypes = _DTYPE_NAMES
 
     def clear(self) -> None:
         self.default = None
@@ -197,11 +209,7 @@ class _Groups:
         return hit[1]
 
     def dtype(self, tensor: Any) -> str:
-        key = tensor.dtype
-        text = self.dtypes.get(key)
-        if text is None:
-            text = self.dtypes[key] = str(key).removeprefix("torch.")
-        return text
+        return _dtype_name(tensor.dtype)
 
 
 class _Installer:
@@ -293,6 +301,14 @@ class _Installer:
             self.recorder.group_created(name, ranks, "p2p")
         return name
 
+    def failed(self, token: Token | None, where: str) -> None:
+        """The wrapped call of `token` raised: record it as failed (never raises)."""
+        if token is not None:
+            try:
+                self.recorder.end(token, False)
+            except Exception as exc:
+                self.recorder.note_error(where, exc)
+
     def finish(self, spec: _Spec, token: Token, is_async: bool, result: Any) -> None:
         recorder = self.recorder
         if not is_async:
@@ -355,11 +371,7 @@ class _Installer:
                 result = original(*args, **kwargs)
             except BaseException:
                 local.depth = 0
-                if token is not None:
-                    try:
-                        recorder.end(token, False)
-                    except Exception as exc:
-                        recorder.note_error(op, exc)
+                self.failed(token, op)
                 raise
             local.depth = 0
             if token is not None:
@@ -434,11 +446,7 @@ class _Installer:
             except BaseException:
                 if guard:
                     local.depth = 0
-                if token is not None:
-                    try:
-                        end(token, False)
-                    except Exception as exc:
-                        recorder.note_error(op, exc)
+                self.failed(token, op)
                 raise
             if guard:
                 local.depth = 0
@@ -511,11 +519,7 @@ class _Installer:
             except BaseException:
                 local.depth -= 1
                 for token in tokens:
-                    if token is not None:
-                        try:
-                            recorder.end(token, False)
-                        except Exception as exc:
-                            recorder.note_error("batch_isend_irecv", exc)
+                    self.failed(token, "batch_isend_irecv")
                 raise
             local.depth -= 1
             if tokens:
@@ -713,8 +717,8 @@ class _Reducer:
     """What the process group a DDP reducer all-reduces through knows: where to record, the
     real group, and the all-reduces issued and not yet seen complete."""
 
-    __slots__ = ("__weakref__", "cpp", "dtypes", "every", "group", "inner", "name", "open",
-                 "recorder", "routed", "settling", "steps")
+    __slots__ = ("__weakref__", "cpp", "every", "group", "inner", "name", "open", "recorder",
+                 "routed", "settling", "steps")
 
     def __init__(self, inner: Any, name: str, recorder: Recorder) -> None:
         self.inner = inner
@@ -728,7 +732,6 @@ class _Reducer:
         """The group the reducer calls (`_reducer_group`). Held here, by the model: the C++
         reducer holds the C++ object only, and without its Python object the calls would go
         straight to the backend, untraced."""
-        self.dtypes: dict[Any, str] = {}
         self.every = 1
         """Buckets are routed through `group` one training step in this many (`stepped`)."""
         self.cpp: Any = None
@@ -749,10 +752,6 @@ class _Reducer:
             self.cpp._update_process_group(self.group if traced else self.inner)
             self.routed = traced
 
-    def dtype(self, dtype: Any) -> str:
-        text = self.dtypes[dtype] = str(dtype).removeprefix("torch.")
-        return text
-
     def allreduce(self, tensors: Any, opts: Any) -> Any:
         """One bucket (or DDP's used-parameter map): recorded as an all_reduce of the real group,
         issued on it, its completion seen later (`settle`) rather than through a callback on the
@@ -768,7 +767,7 @@ class _Reducer:
                 nbytes = sum(t.nbytes for t in tensors)
             dtype = ""
             if tensor is not None:
-                dtype = self.dtypes.get(tensor.dtype) or self.dtype(tensor.dtype)
+                dtype = _DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype)
             token = recorder.begin(self.name, "all_reduce", nbytes, dtype)
         except Exception as exc:
             recorder.note_error("DDP all_reduce", exc)
