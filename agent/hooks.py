@@ -26,8 +26,10 @@ group and its backends), so DDP's gradient all-reduces, which bypass `dist.all_r
 recorded as all_reduce calls of the real group, whatever comm hook the user registers (a Python
 hook that calls `dist.all_reduce` is recorded by that wrapper instead). DDP keeps its own
 gradient division and hook-less path; a bucket's completion is seen without a callback on the
-work (`_Reducer.settle`). `install_optimizer` counts training steps with a global optimizer step
-post-hook.
+work (`_Reducer.settle`). Asked to route them one training step in N (`every`), it counts the
+other steps' DDP traffic from c10d's own sequence counter instead (`_DdpCount`, the group
+`<group>:ddp` in heartbeats), so who waits on whom stays visible on every step.
+`install_optimizer` counts training steps with a global optimizer step post-hook.
 
 A wrapper calls the original exactly as given and returns exactly what it returned; a user's
 exception is re-raised unchanged (after recording the operation as failed). Errors of the
@@ -296,10 +298,19 @@ class _Installer:
             name = f"{group_name}:p2p:{low}-{high}"
             ranks = (low, high)
         self.pairs[(group_name, peer)] = name
+        count = _ddp_counts.get(group_name)
+        if count is not None:
+            count.attach(self.recorder.group_state(name))
         if name not in self.announced:
             self.announced.add(name)
             self.recorder.group_created(name, ranks, "p2p")
         return name
+
+    def count_pairs(self, group_name: str, count: _DdpCount) -> None:
+        """`count` reads around the point-to-point calls of `group_name`'s pairs too."""
+        for (base, _), name in self.pairs.items():
+            if base == group_name:
+                count.attach(self.recorder.group_state(name))
 
     def failed(self, token: Token | None, where: str) -> None:
         """The wrapped call of `token` raised: record it as failed (never raises)."""
@@ -365,15 +376,23 @@ class _Installer:
                 token, is_async = self.begin(spec, args, kwargs)
             except Exception as exc:
                 recorder.note_error(op, exc)
+            counted = token[0].counted if token is not None else None
+            if counted is not None:
+                counted.busy += 1
+                before = int(counted.count())
             # the outermost call only: set and cleared, not counted (0.07 us less than += / -=)
             local.depth = 1
             try:
                 result = original(*args, **kwargs)
             except BaseException:
                 local.depth = 0
+                if counted is not None:
+                    counted.around(before)
                 self.failed(token, op)
                 raise
             local.depth = 0
+            if counted is not None:
+                counted.around(before)
             if token is not None:
                 try:
                     if is_async or returns_peer:
@@ -437,6 +456,10 @@ class _Installer:
                                       dtypes.get(tensor.dtype) or groups.dtype(tensor))
             except Exception as exc:
                 recorder.note_error(op, exc)
+            counted = token[0].counted if token is not None else None
+            if counted is not None:  # DDP's group, its steps counted (_DdpCount)
+                counted.busy += 1
+                before = int(counted.count())
             # a tensor subclass may dispatch back into this function (`__torch_function__`)
             guard = not leaf or (tensor is not None and type(tensor) is not plain_tensor)
             if guard:
@@ -446,10 +469,14 @@ class _Installer:
             except BaseException:
                 if guard:
                     local.depth = 0
+                if counted is not None:
+                    counted.around(before)
                 self.failed(token, op)
                 raise
             if guard:
                 local.depth = 0
+            if counted is not None:
+                counted.around(before)
             if token is not None:
                 try:
                     if is_async:
@@ -513,15 +540,20 @@ class _Installer:
                 tokens = self.begin_batch(ops)
             except Exception as exc:
                 recorder.note_error("batch_isend_irecv", exc)
+            before = _read_before(tokens) if _ddp_counts else {}
             local.depth += 1
             try:
                 result = original(*args, **kwargs)
             except BaseException:
                 local.depth -= 1
+                for c, at in before.values():
+                    c.around(at)
                 for token in tokens:
                     self.failed(token, "batch_isend_irecv")
                 raise
             local.depth -= 1
+            for c, at in before.values():
+                c.around(at)
             if tokens:
                 try:
                     self.finish_batch(tokens, result)
@@ -596,9 +628,18 @@ class _Installer:
         @functools.wraps(original)
         def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
             try:
-                self.groups.clear()
-                if not args and kwargs.get("group") is None:
+                group = args[0] if args else kwargs.get("group")
+                if group is None:
                     # every group goes: a later init may reuse their names
+                    for count in _ddp_counts.values():
+                        count.detach()
+                    _ddp_counts.clear()
+                else:
+                    gone = _ddp_counts.pop(str(group.group_name), None)
+                    if gone is not None:
+                        gone.detach()
+                self.groups.clear()
+                if group is None:
                     self.announced.clear()
                     self.pairs.clear()
             except Exception as exc:
@@ -823,6 +864,129 @@ class _Reducer:
             self.settling.release()
 
 
+class _DdpCount:
+    """DDP's own operations on one process group, counted without a Python call per bucket, for
+    the training steps whose buckets are not recorded (`TRACEHOUND_DDP_TRACE_EVERY` > 1).
+
+    c10d numbers every backend op of a group alike on every member; less the ops of the calls
+    the wrappers record (read around each of them: they are recorded as themselves) and less
+    where the counter stood when the group's first DDP model was traced, what is left are the
+    ops of the DDP models on the group: their gradient buckets, their buffer broadcasts, the
+    same on every rank. They are reported as a group of their own, `<group>:ddp` (the real
+    group's members), in heartbeats only: entered = those ops issued so far (read by the
+    heartbeat thread, so seen up to one heartbeat interval late), completed = as of the last
+    point at which all of them are known done: a forward of the model starts (DDP waited for
+    its buffer broadcast) or a training step ends (DDP waited for its buckets at the end of the
+    backward pass). So while a step's buckets are in flight the ranks that issued them are
+    inside an all_reduce of the group, and a rank that has not reached them, busy outside
+    collectives, lags behind them: the dependency the hang detector follows, on every step.
+
+    Counted by the group's default backend: when DDP's tensors go to another one (a group with
+    a CPU and a CUDA backend), the count does not move and the group reports nothing pending.
+    On CUDA a step's end orders the streams only, so a bucket still running on the GPU counts
+    as completed there. Calls that bypass the wrappers (a process group's own methods) count as
+    DDP's."""
+
+    __slots__ = ("__weakref__", "base", "busy", "count", "groups", "name", "outside",
+                 "recorder")
+
+    def __init__(self, recorder: Recorder, name: str, count: Callable[[], int]) -> None:
+        self.recorder = recorder
+        self.name = name
+        """The reported group: `<group>:ddp`."""
+        self.count = count
+        self.base = int(count())
+        self.outside = 0
+        """Backend ops of the calls the wrappers recorded since `base`."""
+        self.busy = 0
+        """Recorded calls of the group in progress (their ops are not told apart yet)."""
+        self.groups: list[Any] = []
+        """The recorder's groups whose calls are read around (the real one, its p2p pairs)."""
+
+    def attach(self, group: Any) -> None:
+        """Have the wrappers read the counter around the calls recorded in `group`."""
+        group.counted = self
+        self.groups.append(group)
+
+    def detach(self) -> None:
+        """The process group goes (destroy_process_group): stop reading its counter."""
+        for group in self.groups:
+            if group.counted is self:
+                group.counted = None
+        self.groups = []
+        self.count = _no_count
+
+    def around(self, before: int) -> None:
+        """A recorded call that began with the counter at `before` returned or raised."""
+        self.outside += int(self.count()) - before
+        self.busy -= 1
+
+    def ops(self) -> int:
+        return int(self.count()) - self.base - self.outside
+
+    def seen(self) -> None:
+        """What has been issued (a settler: the heartbeat thread, every step)."""
+        if self.busy:
+            return
+        n = self.ops()
+        if not self.busy:
+            self.recorder.counted(self.name, "all_reduce", n)
+
+    def done(self, *_: Any) -> None:
+        """Everything issued so far has completed (a forward pre-hook of the model, a step
+        hook: the training thread)."""
+        if self.busy:
+            return
+        n = self.ops()
+        self.recorder.counted(self.name, "all_reduce", n, n)
+
+
+def _no_count() -> int:
+    return 0
+
+
+def _read_before(tokens: list[Token | None]) -> dict[int, tuple[_DdpCount, int]]:
+    """For a batch: each `_DdpCount` its calls are read around, with the counter before."""
+    before: dict[int, tuple[_DdpCount, int]] = {}
+    for token in tokens:
+        count = token[0].counted if token is not None else None
+        if count is not None and id(count) not in before:
+            count.busy += 1
+            before[id(count)] = (count, int(count.count()))
+    return before
+
+
+_ddp_counts: dict[str, _DdpCount] = {}
+"""The `_DdpCount` of each process group (by name) that a DDP model traced one step in N uses."""
+
+
+def _count_ddp(model: Any, recorder: Recorder, name: str) -> _DdpCount | None:
+    """The `_DdpCount` of `model`'s process group, made and announced with its first model;
+    None (logged) where c10d cannot tell the group's sequence counter."""
+    inner = model.process_group
+    count = _ddp_counts.get(name)
+    if count is None:
+        read = getattr(inner, "_get_sequence_number_for_group", None)
+        if read is None:
+            log.info("tracehound: this torch's process groups have no sequence counter; the "
+                     "DDP steps whose all-reduces are not recorded are not counted either")
+            return None
+        dist: Any = importlib.import_module("torch.distributed")
+        count = _DdpCount(recorder, f"{name}:ddp", read)
+        ranks = tuple(int(r) for r in dist.get_process_group_ranks(inner))
+        recorder.group_created(count.name, ranks, "ddp")
+        recorder.add_settler(count.seen)
+        recorder.add_step_hook(count.done)
+        count.attach(recorder.group_state(name))
+        if _installer is not None:
+            _installer.count_pairs(name, count)
+        _ddp_counts[name] = count
+    count.done()
+    model._tracehound_count = count
+    model.module.register_forward_pre_hook(count.done)
+    return count
+
+
 def _succeeded(work: Any) -> bool:
     """Whether a completed work succeeded, through its future (`Work.exception()` warns that it
     is deprecated, once per process, into the user's log)."""
@@ -913,6 +1077,10 @@ def _trace_ddp(model: Any, recorder: Recorder, every: int = 1) -> Any:
         reducer.every = every
         reducer.cpp = model.reducer
         recorder.add_step_hook(reducer.stepped)
+        try:
+            _count_ddp(model, recorder, name)
+        except Exception as exc:
+            recorder.note_error("DDP count", exc)
     return reducer
 
 

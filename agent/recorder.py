@@ -104,7 +104,7 @@ class _Group:
     """Progress of this rank in one process group (mutated under the recorder's lock)."""
 
     __slots__ = (
-        "in_flight", "last", "last_complete_us", "last_completed", "last_enqueue_us",
+        "counted", "in_flight", "last", "last_complete_us", "last_completed", "last_enqueue_us",
         "last_enqueued", "name", "pruned_at",
     )
 
@@ -124,6 +124,10 @@ class _Group:
         self.pruned_at = 0
         """last_completed when in_flight was last pruned (a full dict is pruned only after it
         moved)."""
+        self.counted: Any = None
+        """What counts the backend ops of this group's calls, when the group's other traffic is
+        counted rather than recorded call by call (`hooks._DdpCount`): the wrappers let it read
+        the group's counter around each call they record. None for almost every group."""
 
     def oldest(self) -> tuple[int, str, int, str]:
         """The oldest call in flight after the last completed one, when more than one is:
@@ -256,6 +260,11 @@ class Recorder:
             group = self._groups.setdefault(name, _Group(name))
         return group
 
+    def group_state(self, group_name: str) -> _Group:
+        """This rank's progress in a group (made if new)."""
+        with self._lock:
+            return self._group(group_name)
+
     def begin(self, group_name: str, op: str, nbytes: int, dtype: str, peer: int = -1) -> Token:
         """This rank enters an operation of a group: the group's next sequence id is taken."""
         now = _time_ns() // 1000 if self._wall else self.clock()
@@ -307,6 +316,25 @@ class Recorder:
                 self._dropped += 1
         except Exception as exc:
             self.note_error("sink.offer", exc)
+
+    def now_us(self) -> int:
+        return _time_ns() // 1000 if self._wall else self.clock()
+
+    def counted(self, group_name: str, op: str, entered: int, completed: int = -1) -> None:
+        """Progress in a group seen by counting its operations rather than call by call (DDP's
+        unrecorded all-reduces, `hooks._DdpCount`): `entered` so far, the first `completed` of
+        them known complete (-1: no news). Neither goes back. The group's heartbeat shows `op`
+        pending while entered > completed; no events are recorded for it."""
+        now = self.now_us()
+        with self._lock:
+            group = self._group(group_name)
+            if entered > group.last_enqueued:
+                group.last_enqueued = entered
+                group.last_enqueue_us = now
+                group.last = (group, entered, op, 0, "", -1, now)
+            if completed > group.last_completed:
+                group.last_completed = min(completed, group.last_enqueued)
+                group.last_complete_us = now
 
     def poll_later(self, work: Any, token: Token, *, ordered: bool = False) -> None:
         """Watch an async work without a future (gloo send/recv) from the heartbeat thread.

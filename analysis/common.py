@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.tracing.summaries import (
+    COUNTED_SUFFIX,
     F64,
     I64,
     P2P_MARK,
@@ -100,6 +101,12 @@ def collective_groups(snap: JobSnapshot,
 
 def is_p2p_group(group: str) -> bool:
     return P2P_MARK in group
+
+
+def is_counted_group(group: str) -> bool:
+    """A group reported by counting its operations (DDP's unrecorded steps): heartbeats tell
+    who entered how many and who waits, but not which call each one is."""
+    return group.endswith(COUNTED_SUFFIX)
 
 
 def is_p2p_op(op: str) -> bool:

@@ -53,6 +53,7 @@ import msgspec
 
 from tracehound.analysis.common import (
     US_PER_S,
+    is_counted_group,
     is_p2p_group,
     is_p2p_op,
     ordered_nodes,
@@ -268,7 +269,7 @@ def _pending_findings(obs: Observation, settings: DetectionSettings) -> list[_Fi
         sizes.setdefault(info.group, len(info.ranks))
     findings: list[_Finding] = []
     for group in sorted(pending_groups, key=group_order):
-        if is_p2p_group(group):
+        if is_p2p_group(group) or is_counted_group(group):
             continue
         entries = by_group[group]
         size = max(sizes.get(group, 0), len(entries))

@@ -56,11 +56,12 @@ TRACEHOUND_DDP_TRACE_EVERY = "TRACEHOUND_DDP_TRACE_EVERY"
 """Route a DDP model's gradient all-reduces through the recorder one training step in this many
 (default DEFAULT_DDP_TRACE_EVERY, every step); on the other steps they stay on DDP's C++ path,
 unrecorded. Each recorded bucket costs a rank ~30 us of CPU (the call from DDP's C++ reducer into
-Python), 2-3% of the step of a small CPU model. Above 1 the analysis is blind on the other steps:
-peers waiting in an unrecorded all-reduce look idle, so a rank stuck outside collectives meanwhile
-is not localized (a rank that stops or dies still is, by its silence). With 16,
-tests/controller/test_run_faults.py::test_hang_inside_a_rank ended in the process group's timeout
-and named the wrong rank. Not for production use until the unrecorded steps are accounted."""
+Python), 2-3% of the step of a small CPU model. Above 1 the other steps are counted, not
+recorded (agent/hooks.py `_DdpCount`: the group `<group>:ddp` in heartbeats), so a rank busy
+outside collectives while its peers wait in an unrecorded all-reduce is still localized (with
+16, tests/controller/test_run_faults.py::test_hang_inside_a_rank passes). Still experimental:
+the straggler analysis reads the time between recorded operations, and an unrecorded stretch
+is one long gap on every rank (with 16, the slowed rank of test_run_faults.py was not found)."""
 
 DEFAULT_DDP_TRACE_EVERY = 1
 

@@ -90,6 +90,10 @@ I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 
 P2P_MARK = ":p2p:"
+COUNTED_SUFFIX = ":ddp"
+"""Ends the id of a group whose progress is counted, not recorded call by call: the operations
+of the DDP models on the group before it, on the steps whose buckets are not recorded
+(heartbeats only, no events; see agent/hooks.py `_DdpCount`)."""
 SEND_OPS = ("send", "isend")
 RECV_OPS = ("recv", "irecv")
 

@@ -6,8 +6,9 @@ Tracehound (but for ddp_untraced, which asks for a model left untraced): it runs
 torch.distributed calls of its scenario and prints what the tests compare
 the records with, as `fact <json>` lines.
 
-    python coverage_job.py SCENARIO    (ddp, ddp_hooks, ddp_untraced, fsdp2, pipeline,
-                                        subgroups, alltoall, objects, async, inflight)
+    python coverage_job.py SCENARIO    (ddp, ddp_hooks, ddp_untraced, ddp_counted, fsdp2,
+                                        pipeline, subgroups, alltoall, objects, async,
+                                        inflight)
 """
 
 from __future__ import annotations
@@ -105,6 +106,39 @@ def ddp_untraced(rank: int, world: int) -> None:
         opt.step()
     dist.all_reduce(torch.ones(1))
     fact(kind="ddp_stats", hooked=hooks.ddp_stats.hooked, skipped=hooks.ddp_stats.skipped)
+
+
+def ddp_counted(rank: int, world: int) -> None:
+    """Run with TRACEHOUND_DDP_TRACE_EVERY=4 (steps 0, 4, 8 recorded): ten steps of a model with
+    buffers (BatchNorm: DDP broadcasts them at each forward), the program's own calls on DDP's
+    group in step 5 (an all_reduce, an object collective, and uneven point-to-point: rank 0
+    sends to every other rank), and in step 6 the last rank busy outside collectives for 2 s
+    before its forward, while the others wait in that step's buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64),
+                        nn.ReLU(), nn.Linear(64, 1))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(10):
+        if step == 6 and rank == world - 1:
+            fact(kind="busy", start_us=time.time_ns() // 1000)
+            time.sleep(2.0)
+            fact(kind="busy_end", end_us=time.time_ns() // 1000)
+        opt.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        if step == 5:
+            dist.all_reduce(torch.ones(2))
+            names: list[Any] = [None] * world
+            dist.all_gather_object(names, f"rank{rank}")
+            if rank == 0:
+                for peer in range(1, world):
+                    dist.send(torch.ones(2), peer)
+            else:
+                dist.recv(torch.ones(2), 0)
+        opt.step()
+    time.sleep(0.3)  # a heartbeat after the last step
 
 
 def fsdp2(rank: int, world: int) -> None:
@@ -320,7 +354,8 @@ def inflight(rank: int, world: int) -> None:
 
 
 SCENARIOS = {
-    "ddp": ddp, "ddp_hooks": ddp_hooks, "ddp_untraced": ddp_untraced, "fsdp2": fsdp2,
+    "ddp": ddp, "ddp_hooks": ddp_hooks, "ddp_untraced": ddp_untraced,
+    "ddp_counted": ddp_counted, "fsdp2": fsdp2,
     "pipeline": pipeline, "subgroups": subgroups, "alltoall": alltoall, "objects": objects,
     "async": async_ops, "inflight": inflight,
 }

@@ -53,6 +53,42 @@ def test_ddp_with_comm_hooks_is_recorded_once_per_bucket(tmp_path: Path) -> None
     assert len(rest) >= 4 and set(rest[:-2]) == {"all_reduce"}
 
 
+def test_ddp_steps_left_unrecorded_are_counted_and_show_who_lags(tmp_path: Path) -> None:
+    """With TRACEHOUND_DDP_TRACE_EVERY=4 the unrecorded steps' buckets are counted in
+    `0:ddp` (hooks._DdpCount): the same count on every rank in spite of the program's own calls
+    on the group (an object collective, uneven point-to-point), and, while the last rank is busy
+    outside collectives, the others inside its next op and the busy rank behind, not inside."""
+    run = run_scenario("ddp_counted", 3, tmp_path, env={"TRACEHOUND_DDP_TRACE_EVERY": "4"})
+    assert group_ranks(run)["0:ddp"] == (0, 1, 2)
+    assert_same_calls(run)
+    counted: dict[int, list[tuple[int, int, int, str]]] = {0: [], 1: [], 2: []}
+    for hb in run.beats:
+        for g in hb.groups:
+            if g.group == "0:ddp":
+                counted[hb.rank].append((hb.time_us, g.last_enqueued, g.last_completed,
+                                         g.pending_op))
+    last = {rank: max(rows) for rank, rows in counted.items()}
+    # after the last step: the same count everywhere, nothing pending
+    assert len({row[1:] for row in last.values()}) == 1, last
+    assert last[0][1] == last[0][2] > 20 and last[0][3] == "", last
+    start = run.fact(2, "busy")["start_us"] + 1_000_000
+    end = run.fact(2, "busy_end")["end_us"]
+
+    def during(rank: int) -> list[tuple[int, int, int, str]]:
+        return [row for row in counted[rank] if start <= row[0] < end]
+
+    busy = during(2)
+    assert busy and all(row[3] == "" and row[1] == row[2] for row in busy), busy
+    behind = busy[0][1]
+    for rank in (0, 1):
+        waiting = during(rank)
+        assert waiting, counted[rank]
+        # (their completed count may be past the busy rank's: a broadcast's root, and gloo's
+        # other members, finish DDP's buffer broadcast before the last member joins it)
+        assert all(row[3] == "all_reduce" and behind <= row[2] < row[1] for row in waiting), (
+            rank, waiting, behind)
+
+
 def test_a_ddp_model_built_untraced_keeps_its_own_all_reduce(tmp_path: Path) -> None:
     run = run_scenario("ddp_untraced", 2, tmp_path)
     calls = assert_same_calls(run)

@@ -108,3 +108,27 @@ def test_a_full_in_flight_table_is_pruned_only_after_progress() -> None:
     rec.begin("0", "all_reduce", 4, "float32")
     assert len(group.in_flight) == cap - 1  # the two ended left; the new one is remembered
     assert progress(rec)["0"].last_completed == 2
+
+
+def test_a_counted_group_reports_what_was_entered_and_completed_never_going_back() -> None:
+    """`Recorder.counted` (DDP's unrecorded steps, hooks._DdpCount): pending while more was
+    entered than is known complete; neither count goes back; nothing is recorded for it."""
+    sink = Sink()
+    rec = Recorder(job="job", attempt=0, node="n", rank=1, sink=sink, clock=Clock(),
+                   heartbeat_s=0.5, pid=7)
+    rec.counted("0:ddp", "all_reduce", 3, 3)
+    assert (progress(rec)["0:ddp"].last_enqueued, progress(rec)["0:ddp"].pending_op) == (3, "")
+    rec.counted("0:ddp", "all_reduce", 7)
+    g = progress(rec)["0:ddp"]
+    assert (g.last_enqueued, g.last_completed, g.pending_op) == (7, 3, "all_reduce")
+    entered_us = g.last_enqueue_us
+    rec.counted("0:ddp", "all_reduce", 5)  # a read that raced a recorded call: ignored
+    rec.counted("0:ddp", "all_reduce", 7)
+    g = progress(rec)["0:ddp"]
+    assert (g.last_enqueued, g.last_enqueue_us, g.pending_op) == (7, entered_us, "all_reduce")
+    rec.counted("0:ddp", "all_reduce", 7, 7)
+    g = progress(rec)["0:ddp"]
+    assert (g.last_completed, g.pending_op) == (7, "")
+    rec.counted("0:ddp", "all_reduce", 2, 2)
+    assert (progress(rec)["0:ddp"].last_enqueued, progress(rec)["0:ddp"].last_completed) == (7, 7)
+    assert sink.items == []
