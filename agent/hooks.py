@@ -27,8 +27,9 @@ recorded as all_reduce calls of the real group, whatever comm hook the user regi
 hook that calls `dist.all_reduce` is recorded by that wrapper instead). DDP keeps its own
 gradient division and hook-less path; a bucket's completion is seen without a callback on the
 work (`_Reducer.settle`). Asked to route them one training step in N (`every`), it counts the
-other steps' DDP traffic from c10d's own sequence counter instead (`_DdpCount`, the group
-`<group>:ddp` in heartbeats), so who waits on whom stays visible on every step.
+steps' DDP traffic from c10d's own sequence counter as well (`_DdpCount`: the group
+`<group>:ddp`, in heartbeats and one event a step), so who waits on whom and who arrives last
+stay visible on every step.
 `install_optimizer` counts training steps with a global optimizer step post-hook.
 
 A wrapper calls the original exactly as given and returns exactly what it returned; a user's
@@ -865,30 +866,39 @@ class _Reducer:
 
 
 class _DdpCount:
-    """DDP's own operations on one process group, counted without a Python call per bucket, for
-    the training steps whose buckets are not recorded (`TRACEHOUND_DDP_TRACE_EVERY` > 1).
+    """DDP's own communication on one process group, for the training steps whose buckets are
+    not recorded one by one (`TRACEHOUND_DDP_TRACE_EVERY` > 1), without a Python call per
+    bucket: the group `<group>:ddp`, op `ddp_comm`.
 
-    c10d numbers every backend op of a group alike on every member; less the ops of the calls
+    c10d numbers every backend op of a group alike on every member. Less the ops of the calls
     the wrappers record (read around each of them: they are recorded as themselves) and less
     where the counter stood when the group's first DDP model was traced, what is left are the
-    ops of the DDP models on the group: their gradient buckets, their buffer broadcasts, the
-    same on every rank. They are reported as a group of their own, `<group>:ddp` (the real
-    group's members), in heartbeats only: entered = those ops issued so far (read by the
-    heartbeat thread, so seen up to one heartbeat interval late), completed = as of the last
-    point at which all of them are known done: a forward of the model starts (DDP waited for
-    its buffer broadcast) or a training step ends (DDP waited for its buckets at the end of the
-    backward pass). So while a step's buckets are in flight the ranks that issued them are
-    inside an all_reduce of the group, and a rank that has not reached them, busy outside
-    collectives, lags behind them: the dependency the hang detector follows, on every step.
+    ops of the DDP models on the group: gradient buckets and buffer broadcasts, the same on
+    every rank. Their count is this group's sequence id.
 
-    Counted by the group's default backend: when DDP's tensors go to another one (a group with
-    a CPU and a CUDA backend), the count does not move and the group reports nothing pending.
-    On CUDA a step's end orders the streams only, so a bucket still running on the GPU counts
-    as completed there. Calls that bypass the wrappers (a process group's own methods) count as
-    DDP's."""
+    Heartbeats: entered = the ops issued so far (read by the heartbeat thread, so seen up to one
+    heartbeat interval late, and entered then); completed = as of the last point at which all
+    of them are known done: a forward of the model starts (DDP waited for its buffer broadcast)
+    or a training step ends (DDP waited for its buckets at the end of the backward pass). So
+    while a step's buckets (or the next forward's broadcast) are in flight the ranks that
+    issued them are inside the group's next op, and a rank that has not reached them, busy
+    outside collectives, lags behind: the dependency the hang detector follows.
 
-    __slots__ = ("__weakref__", "base", "busy", "count", "groups", "name", "outside",
-                 "recorder")
+    Events: each training step with a forward of the group's models is one completed `ddp_comm`
+    whose seq is the count at the step's end, from the end of the step's last forward (DDP has
+    prepared its backward pass: what follows is the backward, its buckets and their wait, and
+    the optimizer) to the end of the step. So the time from a step's end to the next forward's
+    end (data, forward: where a straggler takes longer) is a gap between operations, the peers
+    that wait for it wait inside one, and who arrives last is seen on every step.
+
+    Counted by the group's default backend: where DDP's tensors go to another one (a group with
+    a CPU and a CUDA backend) the count does not move, no rank is shown inside the group and no
+    step is recorded. On CUDA a step's end orders the streams only, so a bucket still running
+    on the GPU counts as completed there. Calls that bypass the wrappers (a process group's own
+    methods) count as DDP's."""
+
+    __slots__ = ("__weakref__", "base", "busy", "count", "forward_us", "groups", "name",
+                 "outside", "recorded", "recorder")
 
     def __init__(self, recorder: Recorder, name: str, count: Callable[[], int]) -> None:
         self.recorder = recorder
@@ -902,6 +912,10 @@ class _DdpCount:
         """Recorded calls of the group in progress (their ops are not told apart yet)."""
         self.groups: list[Any] = []
         """The recorder's groups whose calls are read around (the real one, its p2p pairs)."""
+        self.forward_us = 0
+        """When the last forward of this step ended; 0 before one did."""
+        self.recorded = 0
+        """The seq of the last step recorded."""
 
     def attach(self, group: Any) -> None:
         """Have the wrappers read the counter around the calls recorded in `group`."""
@@ -925,24 +939,52 @@ class _DdpCount:
         return int(self.count()) - self.base - self.outside
 
     def seen(self) -> None:
-        """What has been issued (a settler: the heartbeat thread, every step)."""
+        """What has been issued (a settler: the heartbeat thread, every optimizer step)."""
         if self.busy:
             return
         n = self.ops()
         if not self.busy:
-            self.recorder.counted(self.name, "all_reduce", n)
+            self.recorder.counted(self.name, "ddp_comm", n)
 
-    def done(self, *_: Any) -> None:
-        """Everything issued so far has completed (a forward pre-hook of the model, a step
-        hook: the training thread)."""
+    def started(self, *_: Any) -> None:
+        """A forward of the model starts (a forward pre-hook of its module, after DDP's buffer
+        broadcast: the training thread): all issued so far is done. Nothing while torch.compile
+        traces the module (the hook would break its graph; a compiled forward goes without)."""
+        if not self.busy and not _compiling():
+            n = self.ops()
+            self.recorder.counted(self.name, "ddp_comm", n, n)
+
+    def forwarded(self, *_: Any) -> None:
+        """A forward of the model ended (a forward hook of the DDP module; nothing while
+        torch.compile traces it)."""
+        if not _compiling():
+            self.forward_us = self.recorder.now_us()
+
+    def done(self) -> None:
+        """A training step ended (a step hook: the training thread): all issued is done, and
+        the step is recorded if it had a forward and issued something."""
         if self.busy:
             return
         n = self.ops()
-        self.recorder.counted(self.name, "all_reduce", n, n)
+        recorder = self.recorder
+        recorder.counted(self.name, "ddp_comm", n, n)
+        since, self.forward_us = self.forward_us, 0
+        if since and n > self.recorded:
+            self.recorded = n
+            recorder.record_span(self.name, n, "ddp_comm", since)
 
 
 def _no_count() -> int:
     return 0
+
+
+def _never() -> bool:
+    return False
+
+
+_compiling: Callable[[], bool] = _never
+"""torch.compiler.is_compiling once a DDP model is counted (`_count_ddp`): whether torch.compile
+is tracing the code that calls it."""
 
 
 def _read_before(tokens: list[Token | None]) -> dict[int, tuple[_DdpCount, int]]:
@@ -971,6 +1013,8 @@ def _count_ddp(model: Any, recorder: Recorder, name: str) -> _DdpCount | None:
             log.info("tracehound: this torch's process groups have no sequence counter; the "
                      "DDP steps whose all-reduces are not recorded are not counted either")
             return None
+        global _compiling
+        _compiling = getattr(importlib.import_module("torch.compiler"), "is_compiling", _never)
         dist: Any = importlib.import_module("torch.distributed")
         count = _DdpCount(recorder, f"{name}:ddp", read)
         ranks = tuple(int(r) for r in dist.get_process_group_ranks(inner))
@@ -981,9 +1025,10 @@ def _count_ddp(model: Any, recorder: Recorder, name: str) -> _DdpCount | None:
         if _installer is not None:
             _installer.count_pairs(name, count)
         _ddp_counts[name] = count
-    count.done()
+    count.started()
     model._tracehound_count = count
-    model.module.register_forward_pre_hook(count.done)
+    model.module.register_forward_pre_hook(count.started)
+    model.register_forward_hook(count.forwarded)
     return count
 
 

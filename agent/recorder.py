@@ -320,21 +320,38 @@ class Recorder:
     def now_us(self) -> int:
         return _time_ns() // 1000 if self._wall else self.clock()
 
-    def counted(self, group_name: str, op: str, entered: int, completed: int = -1) -> None:
-        """Progress in a group seen by counting its operations rather than call by call (DDP's
-        unrecorded all-reduces, `hooks._DdpCount`): `entered` so far, the first `completed` of
-        them known complete (-1: no news). Neither goes back. The group's heartbeat shows `op`
-        pending while entered > completed; no events are recorded for it."""
+    def counted(self, group_name: str, op: str, entered: int, completed: int = -1, *,
+                entered_us: int = 0) -> None:
+        """Progress in a group seen by counting rather than call by call (DDP's own
+        communication, `hooks._DdpCount`): `entered` operations so far (the last at
+        `entered_us`, or now), the first `completed` of them known complete (-1: no news).
+        Neither goes back. The group's heartbeat shows `op` pending while entered >
+        completed."""
         now = self.now_us()
         with self._lock:
             group = self._group(group_name)
             if entered > group.last_enqueued:
+                at = entered_us or now
                 group.last_enqueued = entered
-                group.last_enqueue_us = now
-                group.last = (group, entered, op, 0, "", -1, now)
+                group.last_enqueue_us = at
+                group.last = (group, entered, op, 0, "", -1, at)
             if completed > group.last_completed:
                 group.last_completed = min(completed, group.last_enqueued)
                 group.last_complete_us = now
+
+    def record_span(self, group_name: str, seq: int, op: str, enqueue_us: int) -> None:
+        """Record a completed operation of a counted group (`counted`) from `enqueue_us` to
+        now."""
+        if self._disabled:
+            return
+        try:
+            if not self.sink.offer((
+                self.job, self.attempt, self.node, self.rank, group_name, seq, op, 0, "", -1,
+                False, enqueue_us, self.now_us(),
+            )):
+                self._dropped += 1
+        except Exception as exc:
+            self.note_error("sink.offer", exc)
 
     def poll_later(self, work: Any, token: Token, *, ordered: bool = False) -> None:
         """Watch an async work without a future (gloo send/recv) from the heartbeat thread.

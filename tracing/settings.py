@@ -53,15 +53,18 @@ DEFAULT_INFLIGHT_S = 1.0
 stuck or slow; they show its pending op and oldest sequence id at 100 ms resolution."""
 
 TRACEHOUND_DDP_TRACE_EVERY = "TRACEHOUND_DDP_TRACE_EVERY"
-"""Route a DDP model's gradient all-reduces through the recorder one training step in this many
-(default DEFAULT_DDP_TRACE_EVERY, every step); on the other steps they stay on DDP's C++ path,
-unrecorded. Each recorded bucket costs a rank ~30 us of CPU (the call from DDP's C++ reducer into
-Python), 2-3% of the step of a small CPU model. Above 1 the other steps are counted, not
-recorded (agent/hooks.py `_DdpCount`: the group `<group>:ddp` in heartbeats), so a rank busy
-outside collectives while its peers wait in an unrecorded all-reduce is still localized (with
-16, tests/controller/test_run_faults.py::test_hang_inside_a_rank passes). Still experimental:
-the straggler analysis reads the time between recorded operations, and an unrecorded stretch
-is one long gap on every rank (with 16, the slowed rank of test_run_faults.py was not found)."""
+"""Record a DDP model's gradient all-reduces bucket by bucket one training step in this many
+(default DEFAULT_DDP_TRACE_EVERY: every step). On the other steps they stay on DDP's C++ path:
+each recorded bucket costs a rank ~30 us of CPU (the call from DDP's C++ reducer into Python),
+2-3% of the step of a small CPU model. Above 1 DDP's communication is counted on every step
+instead (agent/hooks.py `_DdpCount`, the group `<group>:ddp`): heartbeats show who is inside it
+and who lags (the hang detector's dependency), and each step is one recorded `ddp_comm` from the
+end of its forward to the end of the step (who arrives last, and the compute between steps:
+the straggler analysis). With 16 the hang and straggler tests of
+tests/controller/test_run_faults.py pass as with 1; but the counting (a hook at each forward's
+start and end, one event a step) costs about what one recorded bucket does, so on a model of
+one bucket a step it saves nothing measurable (bench/overhead.py with 16: 1.044, runs
+1.034 and 1.048; every step: 1.030); it can pay on models of several buckets a step."""
 
 DEFAULT_DDP_TRACE_EVERY = 1
 

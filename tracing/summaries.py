@@ -43,7 +43,8 @@ negative values, never wrapped ones):
   is ignored; it is a transfer when there is exactly one send-side row (src = its rank) and
   exactly one recv-side row (dst = its rank), both completed: transfer_us = max(complete_us) -
   max(enqueue_us) of those two rows. n, transfer_mean_us, transfer_max_us per (src, dst).
-- Disagreement: a (group, seq) among the non-p2p rows of the window, completed or failed, whose
+- Disagreement: a (group, seq) among the non-p2p rows of the window that are not of a counted
+  group (`COUNTED_SUFFIX`: its operations are counted, not calls), completed or failed, whose
   rows do not all share one op, one nbytes and one dtype, unless they are uneven by design: all
   share one op that is one of the caller's `uneven_ops` and one dtype, and differ in nbytes only
   (an all_to_all whose members send different splits). Its ranks with their op, nbytes and
@@ -52,7 +53,8 @@ negative values, never wrapped ones):
   compare as numbers, "727" before "1500"), then by seq; the first `limit` (at least 1) are
   kept and `Disagreements.dropped` counts the rest. With each, the reference of its siblings: for a
   disagreement at seq s with m rows, its siblings are the OTHER groups with exactly m rows at
-  seq s among the same rows (non-p2p, in the window, completed or failed) that all share one
+  seq s among the same rows (non-p2p, not counted, in the window, completed or failed) that
+  all share one
   op, one nbytes and one dtype (so a disagreeing group is never a sibling). Each sibling votes
   for its (op, nbytes, dtype); peer_op, peer_nbytes, peer_dtype are the key with the most votes
   (ties go to the smallest key, comparing op, then nbytes, then dtype, strings by code point)

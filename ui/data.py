@@ -189,6 +189,13 @@ LATE_FACTOR = 3.0
 """... and later than this many times the typical cell of its sequence id."""
 
 
+def incident_group(incident: Incident | None) -> str:
+    """The process group an incident's verdict names: "" for none, no incident or an unreadable
+    verdict."""
+    group = verdict_of(incident).get("group", "") if incident is not None else ""
+    return group if isinstance(group, str) else ""
+
+
 def progress_frame(grid: ProgressGrid, culprits: Iterable[int] = ()) -> pd.DataFrame:
     """One row per (rank bucket, sequence id) of the grid's window (`seq_window`) with its
     status:

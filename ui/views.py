@@ -21,7 +21,7 @@ from tracehound.tracing.events import Incident, JobState, now_us
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.jobs import TERMINAL, latest_run
 from tracehound.tracing.store import TraceStore
-from tracehound.tracing.summaries import group_order
+from tracehound.tracing.summaries import COUNTED_SUFFIX, group_order
 from tracehound.ui import data
 
 VIEWS = {
@@ -195,11 +195,14 @@ def _progress_view(store: TraceStore, job: str, states: Sequence[JobState], _ran
         st.info("No collective of this job is stored.")
         return
     groups = sorted({g.group for g in store.groups(JobId(job), attempt)}, key=group_order)
+    incident, culprits = _culprits(store, job, attempt)
+    where = data.incident_group(incident)
+    if _param("group") not in groups and where in groups:
+        st.query_params["group"] = where  # by default the group the incident names
     group = _choose("Process group", groups, "group") if groups else "0"
     assert group is not None
     seqs = st.sidebar.slider("Sequence ids", 8, 256, 64, step=8, key="seqs")
     grid = store.progress_grid(JobId(job), attempt, group, last_seqs=seqs, rank_buckets=128)
-    incident, culprits = _culprits(store, job, attempt)
     if not grid.cells and not grid.buckets:
         st.info("No collective of this group and attempt is stored.")
         return
@@ -212,6 +215,10 @@ def _progress_view(store: TraceStore, job: str, states: Sequence[JobState], _ran
     st.text(f"group {group}, attempt {attempt}: sequence ids "
                f"{lo}-{hi}, {grid.width} rank(s) per row; a culprit's rows "
                "are outlined")
+    if group.endswith(COUNTED_SUFFIX):
+        st.caption("This group counts DDP's own communication (gradient buckets, buffer "
+                   "broadcasts): its ids are operations, and one is recorded per training "
+                   "step, so the ids between are `completed, not recorded` by design.")
     st.altair_chart(_progress_chart(frame), width="stretch")
     st.subheader("Furthest behind")
     st.dataframe(data.behind_frame(grid), hide_index=True)

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tracehound.tracing.summaries import (
+    COUNTED_SUFFIX,
     F64,
     I64,
     P2P_MARK,
@@ -257,7 +258,8 @@ def disagreements(
         raise ValueError(f"limit must be at least 1, got {limit}")
     window = np.flatnonzero(_in_window(cols, start_us, end_us))
     groups, gcode = factorize(cols.group[window])
-    keep = ~_p2p_rows(gcode, groups)
+    counted = np.char.endswith(groups, COUNTED_SUFFIX)[gcode]
+    keep = ~_p2p_rows(gcode, groups) & ~counted
     rows, gcode = window[keep], gcode[keep]
     # Group order: (length, code point); `groups` is sorted by code point already.
     by_length = np.lexsort((np.arange(groups.shape[0]), np.char.str_len(groups)))

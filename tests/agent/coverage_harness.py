@@ -29,7 +29,7 @@ from tracehound.tracing.events import (
     ProcessGroupInfo,
     Record,
 )
-from tracehound.tracing.summaries import P2P_MARK, RECV_OPS, SEND_OPS
+from tracehound.tracing.summaries import COUNTED_SUFFIX, P2P_MARK, RECV_OPS, SEND_OPS
 from tracehound.tracing.wire import decode_line
 
 JOB = str(Path(__file__).resolve().parent / "coverage_job.py")
@@ -185,14 +185,15 @@ def group_ranks(run: Run) -> dict[str, tuple[int, ...]]:
 
 
 def assert_same_calls(run: Run) -> dict[str, list[tuple[int, str]]]:
-    """Every collective group: each member recorded the same sequence ids 1..n with the same op
-    at each id, all completed. Returns group -> [(seq, op)]."""
+    """Every collective group (not the counted ones, whose ids skip: `<group>:ddp`): each member
+    recorded the same sequence ids 1..n with the same op at each id, all completed. Returns
+    group -> [(seq, op)]."""
     groups = group_ranks(run)
     calls: dict[str, dict[int, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
     for e in run.events:
         assert e.state is CollectiveState.COMPLETED, e
         assert e.complete_us >= e.enqueue_us > 0, e
-        if P2P_MARK not in e.group:
+        if P2P_MARK not in e.group and not e.group.endswith(COUNTED_SUFFIX):
             calls[e.group][e.rank].append((e.seq, e.op))
     out: dict[str, list[tuple[int, str]]] = {}
     for group, by_rank in calls.items():

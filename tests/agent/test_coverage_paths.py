@@ -20,7 +20,8 @@ def ops_of(calls: list[tuple[int, str]]) -> list[str]:
 
 
 def test_ddp_gradient_all_reduces(tmp_path: Path) -> None:
-    run = run_scenario("ddp", 2, tmp_path)
+    # every step's buckets recorded (the default records them one step in 16)
+    run = run_scenario("ddp", 2, tmp_path, env={"TRACEHOUND_DDP_TRACE_EVERY": "1"})
     calls = assert_same_calls(run)
     assert group_ranks(run)["0"] == (0, 1)
     # DDP's gradient buckets go through the recorder's process group: with a tiny bucket cap,
@@ -54,38 +55,50 @@ def test_ddp_with_comm_hooks_is_recorded_once_per_bucket(tmp_path: Path) -> None
 
 
 def test_ddp_steps_left_unrecorded_are_counted_and_show_who_lags(tmp_path: Path) -> None:
-    """With TRACEHOUND_DDP_TRACE_EVERY=4 the unrecorded steps' buckets are counted in
-    `0:ddp` (hooks._DdpCount): the same count on every rank in spite of the program's own calls
-    on the group (an object collective, uneven point-to-point), and, while the last rank is busy
-    outside collectives, the others inside its next op and the busy rank behind, not inside."""
+    """With TRACEHOUND_DDP_TRACE_EVERY=4 DDP's own communication is counted in the group
+    `0:ddp` (hooks._DdpCount) on every step: the same count on every rank in spite of the
+    program's own calls on DDP's group (an object collective, uneven point-to-point). In
+    heartbeats, while the last rank is busy outside collectives, the others are inside the
+    group's next op and the busy rank behind, not inside; each step is one recorded `ddp_comm`
+    from its forward's end, with the same ids on every rank."""
     run = run_scenario("ddp_counted", 3, tmp_path, env={"TRACEHOUND_DDP_TRACE_EVERY": "4"})
     assert group_ranks(run)["0:ddp"] == (0, 1, 2)
     assert_same_calls(run)
+    steps = [(r, e.seq, e.enqueue_us, e.complete_us) for r in (0, 1, 2) for e in run.events
+             if e.group == "0:ddp" and e.rank == r]
+    by_rank = {r: [row[1] for row in steps if row[0] == r] for r in (0, 1, 2)}
+    assert len(by_rank[0]) == 10 and by_rank[1] == by_rank[0] == by_rank[2], by_rank
+    assert by_rank[0] == sorted(set(by_rank[0]))
+    assert all(op == "ddp_comm" for e in run.events if e.group == "0:ddp" for op in [e.op])
+    # the 7th step: the busy rank ended its forward last, 2 s after the first (rank 0 may end
+    # its own with it: it waits for every member in DDP's broadcast of the BatchNorm buffers)
+    seventh = sorted((e.enqueue_us, e.rank) for e in run.events
+                     if e.group == "0:ddp" and e.seq == by_rank[0][6])
+    assert seventh[-1][1] == 2 or seventh[-1][0] - seventh[-2][0] < 5_000, seventh
+    assert seventh[-1][0] - seventh[0][0] > 1_500_000, seventh
     counted: dict[int, list[tuple[int, int, int, str]]] = {0: [], 1: [], 2: []}
     for hb in run.beats:
         for g in hb.groups:
             if g.group == "0:ddp":
                 counted[hb.rank].append((hb.time_us, g.last_enqueued, g.last_completed,
                                          g.pending_op))
-    last = {rank: max(rows) for rank, rows in counted.items()}
-    # after the last step: the same count everywhere, nothing pending
-    assert len({row[1:] for row in last.values()}) == 1, last
-    assert last[0][1] == last[0][2] > 20 and last[0][3] == "", last
+    last = {rank: max(rows)[1:] for rank, rows in counted.items()}
+    final = by_rank[0][-1]
+    assert last == {0: (final, final, ""), 1: (final, final, ""), 2: (final, final, "")}, last
     start = run.fact(2, "busy")["start_us"] + 1_000_000
     end = run.fact(2, "busy_end")["end_us"]
 
     def during(rank: int) -> list[tuple[int, int, int, str]]:
-        return [row for row in counted[rank] if start <= row[0] < end]
+        return [row[1:] for row in counted[rank] if start <= row[0] < end]
 
     busy = during(2)
-    assert busy and all(row[3] == "" and row[1] == row[2] for row in busy), busy
-    behind = busy[0][1]
+    assert busy and len(set(busy)) == 1 and busy[0] == (by_rank[0][5],) * 2 + ("",), busy
+    behind = busy[0][0]
     for rank in (0, 1):
         waiting = during(rank)
+        # (rank 0 waits in the buffer broadcast of the next forward, rank 1 in its buckets)
         assert waiting, counted[rank]
-        # (their completed count may be past the busy rank's: a broadcast's root, and gloo's
-        # other members, finish DDP's buffer broadcast before the last member joins it)
-        assert all(row[3] == "all_reduce" and behind <= row[2] < row[1] for row in waiting), (
+        assert all(row[2] == "ddp_comm" and behind <= row[1] < row[0] for row in waiting), (
             rank, waiting, behind)
 
 

@@ -32,6 +32,9 @@ CHILD = textwrap.dedent("""
         def flush(self, timeout):
             return True
 
+    def buckets(sink):
+        return [i for i in sink.items if isinstance(i, tuple) and not i[4].endswith(":ddp")]
+
     every = int(sys.argv[1])
     sink = Sink()
     rec = Recorder(job="j", attempt=0, node="n0", rank=0, sink=sink)
@@ -47,16 +50,17 @@ CHILD = textwrap.dedent("""
     x = torch.randn(8, 256)
     per_step, losses = [], []
     for step in range(int(sys.argv[2])):
-        before = len([i for i in sink.items if isinstance(i, tuple)])
+        before = len(buckets(sink))
         opt.zero_grad(set_to_none=True)
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
         rec.settle()
-        per_step.append(len([i for i in sink.items if isinstance(i, tuple)]) - before)
+        per_step.append(len(buckets(sink)) - before)
         losses.append(loss.item())
-    seqs = [i[5] for i in sink.items if isinstance(i, tuple)]
-    print(json.dumps({"per_step": per_step, "seqs": seqs, "losses": losses,
+    seqs = [i[5] for i in buckets(sink)]
+    counted = [i[5] for i in sink.items if isinstance(i, tuple) and i[4].endswith(":ddp")]
+    print(json.dumps({"per_step": per_step, "seqs": seqs, "losses": losses, "counted": counted,
                       "errors": rec.errors}), flush=True)
     os._exit(0)
 """)
@@ -81,6 +85,11 @@ def test_buckets_are_recorded_one_step_in_n_and_training_is_unchanged() -> None:
     assert counts[3] == every_step["per_step"][3] and counts[6] == every_step["per_step"][6]
     # the recorded ones take consecutive sequence ids of the group
     assert one_in_three["seqs"] == list(range(1, len(one_in_three["seqs"]) + 1))
+    # when not all are recorded every step is also one `ddp_comm` of `0:ddp`, its id the count
+    # of DDP's ops so far (rising by the step's buckets)
+    assert every_step["counted"] == []
+    assert len(one_in_three["counted"]) == 8
+    assert one_in_three["counted"] == sorted(set(one_in_three["counted"]))
     # switching groups between steps changes nothing the model computes (one rank: the
     # all-reduce is the identity, so this checks the switch, not the sums)
     assert one_in_three["losses"] == pytest.approx(every_step["losses"], rel=1e-6)

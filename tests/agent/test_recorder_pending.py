@@ -111,24 +111,30 @@ def test_a_full_in_flight_table_is_pruned_only_after_progress() -> None:
 
 
 def test_a_counted_group_reports_what_was_entered_and_completed_never_going_back() -> None:
-    """`Recorder.counted` (DDP's unrecorded steps, hooks._DdpCount): pending while more was
-    entered than is known complete; neither count goes back; nothing is recorded for it."""
+    """`Recorder.counted` (DDP's own communication, hooks._DdpCount): pending while more was
+    entered than is known complete, since when it was entered; neither count goes back;
+    `record_span` records a completed operation of it."""
     sink = Sink()
     rec = Recorder(job="job", attempt=0, node="n", rank=1, sink=sink, clock=Clock(),
                    heartbeat_s=0.5, pid=7)
-    rec.counted("0:ddp", "all_reduce", 3, 3)
+    rec.counted("0:ddp", "ddp_comm", 3, 3)
     assert (progress(rec)["0:ddp"].last_enqueued, progress(rec)["0:ddp"].pending_op) == (3, "")
-    rec.counted("0:ddp", "all_reduce", 7)
+    rec.counted("0:ddp", "ddp_comm", 4, entered_us=1_000)
     g = progress(rec)["0:ddp"]
-    assert (g.last_enqueued, g.last_completed, g.pending_op) == (7, 3, "all_reduce")
-    entered_us = g.last_enqueue_us
-    rec.counted("0:ddp", "all_reduce", 5)  # a read that raced a recorded call: ignored
-    rec.counted("0:ddp", "all_reduce", 7)
+    assert (g.last_enqueued, g.last_completed, g.pending_op, g.last_enqueue_us) == (
+        4, 3, "ddp_comm", 1_000)
+    rec.counted("0:ddp", "ddp_comm", 4, entered_us=2_000)  # seen again: still since 1_000
+    rec.counted("0:ddp", "ddp_comm", 2)
     g = progress(rec)["0:ddp"]
-    assert (g.last_enqueued, g.last_enqueue_us, g.pending_op) == (7, entered_us, "all_reduce")
-    rec.counted("0:ddp", "all_reduce", 7, 7)
+    assert (g.last_enqueued, g.last_enqueue_us, g.pending_op) == (4, 1_000, "ddp_comm")
+    rec.counted("0:ddp", "ddp_comm", 4, 4)
     g = progress(rec)["0:ddp"]
-    assert (g.last_completed, g.pending_op) == (7, "")
-    rec.counted("0:ddp", "all_reduce", 2, 2)
-    assert (progress(rec)["0:ddp"].last_enqueued, progress(rec)["0:ddp"].last_completed) == (7, 7)
+    assert (g.last_completed, g.pending_op) == (4, "")
+    rec.counted("0:ddp", "ddp_comm", 2, 2)
+    assert (progress(rec)["0:ddp"].last_enqueued, progress(rec)["0:ddp"].last_completed) == (4, 4)
     assert sink.items == []
+    rec.record_span("0:ddp", 4, "ddp_comm", 1_000)
+    (row,) = sink.items
+    assert isinstance(row, tuple)
+    assert row[4:11] == ("0:ddp", 4, "ddp_comm", 0, "", -1, False) and row[11] == 1_000
+    assert row[12] > 1_000

@@ -117,3 +117,25 @@ def test_uneven_op_names_are_bound_values(store: TraceStore) -> None:
     assert [(d.group, d.seq) for d in got] == [("3", 2)]
     # A disagreement row is the same dataclass as before: only the container is new.
     assert isinstance(got[0], Disagreement)
+
+
+def counted_rows() -> list[Row]:
+    """A size mismatch in group "5" at seq 7, and counted groups (`<group>:ddp`: DDP's own
+    communication, agent/hooks.py `_DdpCount`, one `ddp_comm` a step whose seq is a count of
+    operations, so it lines up with other groups' seqs by chance) at seq 7 and 9."""
+    rows = [member(r, "5", 7, nbytes=2048 if r == 3 else 4096) for r in range(4)]
+    rows += [member(r, "5:ddp", 7, op="ddp_comm", nbytes=0, dtype="") for r in range(4)]
+    rows += [member(r, "6:ddp", 9, op="ddp_comm", nbytes=r, dtype="") for r in range(4)]
+    return rows
+
+
+def test_a_counted_group_neither_disagrees_nor_votes_as_a_sibling(store: TraceStore) -> None:
+    got, _ = both(store, window(counted_rows()))
+    assert [(d.group, d.seq, d.peer_op, d.peer_groups) for d in got] == [("5", 7, "", 0)]
+
+
+def test_beside_a_counted_group_a_real_sibling_is_the_reference(store: TraceStore) -> None:
+    rows = counted_rows() + [member(r, "8", 7) for r in range(4)]
+    got, _ = both(store, window(rows))
+    assert [(d.group, d.peer_op, d.peer_nbytes, d.peer_groups) for d in got] == [
+        ("5", "all_reduce", 4096, 1)]

@@ -115,3 +115,16 @@ def test_the_health_view_opens_on_a_telling_metric() -> None:
     assert data.metric_order({"clocks_event_reasons", "gpu_util", "temperature_c"}) == [
         "temperature_c", "clocks_event_reasons", "gpu_util"]
     assert data.metric_order({"b", "a"}) == ["a", "b"]
+
+
+def test_the_group_an_incident_names_is_read_from_its_verdict() -> None:
+    def incident(verdict_json: str) -> Incident:
+        return Incident(job=JobId("j"), incident_id="j/0/1", attempt=0, detected_at_us=T0,
+                        kind="hang", culprit_ranks=(3,), culprit_nodes=("node-1",),
+                        confidence=0.9, summary="s", verdict_json=verdict_json)
+
+    assert data.incident_group(incident(json.dumps({"group": "0:ddp"}))) == "0:ddp"
+    assert data.incident_group(incident(json.dumps({"group": 7}))) == ""
+    assert data.incident_group(incident("{not json")) == ""
+    assert data.incident_group(incident("[]")) == ""
+    assert data.incident_group(None) == ""

@@ -306,7 +306,7 @@ ANY LEFT JOIN (
         FROM {db}.collectives
         WHERE job = {job:String} AND attempt = {attempt:UInt32}
           AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
-          AND position(group_id, {p2p:String}) = 0
+          AND position(group_id, {p2p:String}) = 0 AND NOT endsWith(group_id, {counted:String})
         GROUP BY group_id, seq
         HAVING uniqExact(op) = 1 AND uniqExact(nbytes) = 1 AND uniqExact(dtype) = 1
     )
@@ -319,7 +319,7 @@ ORDER BY lengthUTF8(group_id), group_id, seq
     FROM {db}.collectives
     WHERE job = {job:String} AND attempt = {attempt:UInt32}
       AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
-      AND position(group_id, {p2p:String}) = 0
+      AND position(group_id, {p2p:String}) = 0 AND NOT endsWith(group_id, {counted:String})
     GROUP BY group_id, seq
     HAVING uniqExact(op) > 1 OR uniqExact(dtype) > 1
         OR (uniqExact(nbytes) > 1 AND NOT has({uneven_ops}, any(op)))""")
@@ -330,6 +330,7 @@ SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGRE
 
 SUMMARY_CONSTANTS: dict[str, Param] = {
     "p2p": summaries.P2P_MARK,
+    "counted": summaries.COUNTED_SUFFIX,
     "completed": CollectiveState.COMPLETED.value,
     "send_op": summaries.SEND_OPS[0],
     "isend_op": summaries.SEND_OPS[1],
