@@ -379,8 +379,7 @@ class _Installer:
                 recorder.note_error(op, exc)
             counted = token[0].counted if token is not None else None
             if counted is not None:
-                counted.busy += 1
-                before = int(counted.count())
+                before = counted.enter()
             # the outermost call only: set and cleared, not counted (0.07 us less than += / -=)
             local.depth = 1
             try:
@@ -459,8 +458,7 @@ class _Installer:
                 recorder.note_error(op, exc)
             counted = token[0].counted if token is not None else None
             if counted is not None:  # DDP's group, its steps counted (_DdpCount)
-                counted.busy += 1
-                before = int(counted.count())
+                before = counted.enter()
             # a tensor subclass may dispatch back into this function (`__torch_function__`)
             guard = not leaf or (tensor is not None and type(tensor) is not plain_tensor)
             if guard:
@@ -930,8 +928,14 @@ class _DdpCount:
         self.groups = []
         self.count = _no_count
 
+    def enter(self) -> int:
+        """A recorded call of the group begins: the counter before it (for `around`)."""
+        self.busy += 1
+        return int(self.count())
+
     def around(self, before: int) -> None:
-        """A recorded call that began with the counter at `before` returned or raised."""
+        """A recorded call that began with the counter at `before` (`enter`) returned or
+        raised."""
         self.outside += int(self.count()) - before
         self.busy -= 1
 
@@ -943,7 +947,7 @@ class _DdpCount:
         if self.busy:
             return
         n = self.ops()
-        if not self.busy:
+        if not self.busy:  # again: a recorded call may have begun on the training thread
             self.recorder.counted(self.name, "ddp_comm", n)
 
     def started(self, *_: Any) -> None:
@@ -993,8 +997,7 @@ def _read_before(tokens: list[Token | None]) -> dict[int, tuple[_DdpCount, int]]
     for token in tokens:
         count = token[0].counted if token is not None else None
         if count is not None and id(count) not in before:
-            count.busy += 1
-            before[id(count)] = (count, int(count.count()))
+            before[id(count)] = (count, count.enter())
     return before
 
 

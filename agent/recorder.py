@@ -342,16 +342,8 @@ class Recorder:
     def record_span(self, group_name: str, seq: int, op: str, enqueue_us: int) -> None:
         """Record a completed operation of a counted group (`counted`) from `enqueue_us` to
         now."""
-        if self._disabled:
-            return
-        try:
-            if not self.sink.offer((
-                self.job, self.attempt, self.node, self.rank, group_name, seq, op, 0, "", -1,
-                False, enqueue_us, self.now_us(),
-            )):
-                self._dropped += 1
-        except Exception as exc:
-            self.note_error("sink.offer", exc)
+        self._offer((self.job, self.attempt, self.node, self.rank, group_name, seq, op, 0, "",
+                     -1, False, enqueue_us, self.now_us()))
 
     def poll_later(self, work: Any, token: Token, *, ordered: bool = False) -> None:
         """Watch an async work without a future (gloo send/recv) from the heartbeat thread.

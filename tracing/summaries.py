@@ -54,11 +54,10 @@ negative values, never wrapped ones):
   kept and `Disagreements.dropped` counts the rest. With each, the reference of its siblings: for a
   disagreement at seq s with m rows, its siblings are the OTHER groups with exactly m rows at
   seq s among the same rows (non-p2p, not counted, in the window, completed or failed) that
-  all share one
-  op, one nbytes and one dtype (so a disagreeing group is never a sibling). Each sibling votes
-  for its (op, nbytes, dtype); peer_op, peer_nbytes, peer_dtype are the key with the most votes
-  (ties go to the smallest key, comparing op, then nbytes, then dtype, strings by code point)
-  and peer_groups is its number of votes; "", 0, "" and 0 when there is no sibling.
+  all share one op, one nbytes and one dtype (so a disagreeing group is never a sibling). Each
+  sibling votes for its (op, nbytes, dtype); peer_op, peer_nbytes, peer_dtype are the key with
+  the most votes (ties go to the smallest key, comparing op, then nbytes, then dtype, strings by
+  code point) and peer_groups is its number of votes; "", 0, "" and 0 when there is no sibling.
 - NodeWindows: windows of `window_us` aligned at `start_us`, bucket = (enqueue_us - start_us)
   // window_us, ceil((end_us - start_us) / window_us) buckets (the last may be shorter), with
   window_start_us = start_us + bucket * window_us. Rows are the collective rows RankStats counts
@@ -94,8 +93,8 @@ F64 = npt.NDArray[np.float64]
 P2P_MARK = ":p2p:"
 COUNTED_SUFFIX = ":ddp"
 """Ends the id of a group whose progress is counted, not recorded call by call: the operations
-of the DDP models on the group before it, on the steps whose buckets are not recorded
-(heartbeats only, no events; see agent/hooks.py `_DdpCount`)."""
+of the DDP models on the group before it (agent/hooks.py `_DdpCount`). Its ids are counts of
+operations and skip; heartbeats report it, and one event a training step."""
 SEND_OPS = ("send", "isend")
 RECV_OPS = ("recv", "irecv")
 
