@@ -5,7 +5,7 @@
                             wait in the next all-reduce
     --scenario eval         at --at-step, rank 0 runs an 8 s evaluation pass (no_grad forwards)
     --scenario first-step   rank --rank's first step is 10 s slower (CPU work, like compilation)
-    --scenario dataload     at --at-step, rank --rank waits 6 s for its next batch
+    --scenario dataload     at --at-step, rank --rank waits 9 s for its next batch
     --scenario deadlock     at --at-step, rank --rank deadlocks on a lock of its own, in attempt 0
                             only (a user-code bug outside collectives)
     --scenario pipeline     two stages with send/recv of a 16 MB activation; at --at-step the
@@ -55,7 +55,7 @@ def train(args: argparse.Namespace, rank: int) -> None:
             a = torch.randn(256, 256)
             busy_for(10.0, lambda a=a: a @ a)
         if args.scenario == "dataload" and step == args.at_step and rank == args.rank:
-            time.sleep(6.0)  # the loader waits on storage
+            time.sleep(9.0)  # the loader waits on storage
         if args.scenario == "deadlock" and step == args.at_step and rank == args.rank and (
             attempt() == 0
         ):
