@@ -187,6 +187,8 @@ class Recorder:
         self.node = node
         self.rank = rank
         self.sink = sink
+        self._nudge: Callable[[], None] | None = getattr(sink, "nudge", None)
+        """The sink's way to send what it holds at once, if it has one (SocketTransport)."""
         self.clock = clock
         self._wall = clock is now_us
         """The clock is the wall clock: begin/end read it inline (`_time_ns() // 1000`), without
@@ -217,6 +219,9 @@ class Recorder:
         # heartbeat thread before each look at what is pending, at every optimizer step and at
         # close. Weak: a model that goes away takes its entry with it.
         self._settlers: list[weakref.WeakMethod[Callable[[], None]]] = []
+        # Called from the heartbeat thread only, after the settlers (and at close): looks at
+        # what others hold that the training thread has no need to look at. Weak too.
+        self._watchers: list[weakref.WeakMethod[Callable[[], None]]] = []
         # Called at each training step (after the settlers), on the training thread; weak too.
         self._step_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._stop = threading.Event()
@@ -368,6 +373,13 @@ class Recorder:
             self._settlers = [s for s in self._settlers if s() is not None]
             self._settlers.append(weakref.WeakMethod(settle))
 
+    def add_watcher(self, look: Callable[[], None]) -> None:
+        """`look` (a bound method) is called from the heartbeat thread before each look at what
+        is pending, and at close, never at an optimizer step, as long as its object lives."""
+        with self._lock:
+            self._watchers = [w for w in self._watchers if w() is not None]
+            self._watchers.append(weakref.WeakMethod(look))
+
     def add_step_hook(self, hook: Callable[[], None]) -> None:
         """`hook` (a bound method) is called at every training step (an optimizer step of the
         lead optimizer, not paused), on the training thread, as long as its object lives."""
@@ -390,9 +402,11 @@ class Recorder:
                     self.note_error(where, exc)
 
     def poll(self) -> None:
-        """Finish the events of polled works that have completed, and let the settlers end
-        theirs."""
+        """Finish the events of polled works that have completed, let the settlers end theirs
+        and the watchers look."""
         self.settle()
+        if self._watchers:
+            self._call_each(self._watchers, "watch")
         if not self._polled:
             return
         with self._lock:
@@ -550,9 +564,14 @@ class Recorder:
                 self.poll()
                 now = self.clock()
                 since = self.pending_since()
-                if now - last_beat >= self.heartbeat_interval_s(now, since) * 1e6:
+                interval = self.heartbeat_interval_s(now, since)
+                if now - last_beat >= interval * 1e6:
                     self.heartbeat()
                     last_beat = self.clock()
+                    if interval < self.heartbeat_s and self._nudge is not None:
+                        # a call long in flight: the node agent sees this beat now, not at
+                        # the sink's next send
+                        self._nudge()
                 if since:
                     # wake at the fast rate while anything is pending: to see it pass
                     # `inflight_s`, and to beat at that rate from then on

@@ -11,18 +11,23 @@ steps (so the machine's drift hits all alike), timed by this process's CPU time:
   backward pass);
 - `traced`: Tracehound's own group (`hooks._trace_ddp`): the same route, plus recording each
   bucket and ending it at the next bucket or optimizer step, shipped by a real transport to a
-  real node agent process.
+  real node agent process;
+- `counted`: Tracehound's group one step in --every (`TRACEHOUND_DDP_TRACE_EVERY`), the other
+  steps on DDP's C++ path and counted (`hooks._DdpCount`: the forward's start and end, one
+  `ddp_comm` event a step). Its optimizer is the lead one, so its steps are the training steps.
 
-A one-rank all-reduce has no peer to wait for, so this measures the work on the training
-thread, which a multi-rank job pays on every rank whatever its network; what it leaves out is
-the node agent's own CPU and the sender thread's (bench/overhead.py times a 4-rank job whole).
+A one-rank all-reduce has no peer to wait for, so this measures the work of the training
+process (its training thread and the transport's sender thread: CPU time of the process), which
+a multi-rank job pays on every rank whatever its network; what it leaves out is the node
+agent's own CPU (bench/overhead.py times a 4-rank job whole).
 
     python bench/ddp_trace_cost.py [--rounds N] [--block-steps S] [--width W] [--layers L]
-                                   [--bucket-cap-mb MB] [--json]
+                                   [--bucket-cap-mb MB] [--every N] [--json]
 
 Prints the median over rounds of each model's CPU per step minus `plain`'s in the same round,
 with the rounds' quartiles, and the buckets the traced model recorded per step (a benchmark,
-never a test: nothing here gates on time). The cost is per bucket, not per byte:
+never a test: nothing here gates on time; `buckets_per_step` counts the counted model's
+recorded buckets too, on 1/--every of its steps). The cost is per bucket, not per byte:
 `--width 512 --layers 4 --bucket-cap-mb 1` (four 1 MB buckets a step) against
 `--bucket-cap-mb 25` (one 4 MB bucket) shows it.
 """
@@ -86,6 +91,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             dist, SimpleNamespace(inner=inner, allreduce=inner.allreduce))
         models["forwarding"].reducer._update_process_group(forwarding)
         traced = hooks._trace_ddp(models["traced"], recorder)  # held, as install_ddp does
+        models["counted"]._tracehound_reducer = hooks._trace_ddp(models["counted"], recorder,
+                                                                 every=args.every)
         optimizers = {kind: torch.optim.SGD(m.parameters(), lr=0.01)
                       for kind, m in models.items()}
         x = torch.randn(args.batch, args.width)
@@ -102,11 +109,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             return (time.process_time() - cpu) / steps * 1e6
 
         group = recorder._group(str(traced.name))
+        # the counted model's optimizer steps first: it is the lead one, whose steps are the
+        # training steps that switch its buckets between the traced group and the C++ path
+        block("counted", 1)
         for kind in KINDS:
             before = group.last_enqueued
             block(kind, args.warmup_steps)
             recorded = group.last_enqueued - before
-            if (recorded > 0) != (kind == "traced"):
+            if (recorded > 0) != (kind in ("traced", "counted")):
                 raise RuntimeError(f"the {kind} model recorded {recorded} all-reduces in "
                                    f"{args.warmup_steps} steps")
         rounds: dict[str, list[float]] = {kind: [] for kind in KINDS}
@@ -134,7 +144,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stop_agent(agent)
 
 
-KINDS = ("plain", "forwarding", "traced")
+KINDS = ("plain", "forwarding", "traced", "counted")
 
 
 def main() -> int:
@@ -151,6 +161,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=1, help="hidden layers (default 1)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                         help="DDP's bucket_cap_mb (default 25, DDP's own)")
+    parser.add_argument("--every", type=int, default=16,
+                        help="the counted model's TRACEHOUND_DDP_TRACE_EVERY (default 16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
