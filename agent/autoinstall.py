@@ -31,8 +31,10 @@ from tracehound.tracing.settings import (
     DEFAULT_DDP_TRACE_EVERY,
     DEFAULT_HEARTBEAT_S,
     DEFAULT_INFLIGHT_S,
+    DEFAULT_SEND_S,
     MIN_BUFFER_RECORDS,
     MIN_HEARTBEAT_S,
+    MIN_SEND_S,
     TRACEHOUND_AGENT_SOCKET,
     TRACEHOUND_BUFFER_RECORDS,
     TRACEHOUND_DDP_TRACE_EVERY,
@@ -40,6 +42,7 @@ from tracehound.tracing.settings import (
     TRACEHOUND_EXIT_FILE,
     TRACEHOUND_HEARTBEAT_S,
     TRACEHOUND_INFLIGHT_S,
+    TRACEHOUND_SEND_S,
     env_flag,
     env_float,
     env_int,
@@ -118,6 +121,11 @@ def _ddp_trace_every(env: Mapping[str, str]) -> int:
     return env_int(TRACEHOUND_DDP_TRACE_EVERY, DEFAULT_DDP_TRACE_EVERY, env=env, minimum=1)
 
 
+def _send_s(env: Mapping[str, str]) -> float:
+    """TRACEHOUND_SEND_S of `env`, checked (SettingError)."""
+    return env_float(TRACEHOUND_SEND_S, DEFAULT_SEND_S, env=env, minimum=MIN_SEND_S)
+
+
 def _inflight_s(env: Mapping[str, str]) -> float:
     """TRACEHOUND_INFLIGHT_S of `env`, checked (SettingError)."""
     return env_float(TRACEHOUND_INFLIGHT_S, DEFAULT_INFLIGHT_S, env=env, minimum=0.0)
@@ -134,7 +142,7 @@ def _ensure_recorder() -> None:
     job, attempt, node, rank = identity_from_env(_env)
     transport = SocketTransport(
         env_str(TRACEHOUND_AGENT_SOCKET, env=_env),
-        bound=_buffer_records(_env),
+        bound=_buffer_records(_env), poll_s=_send_s(_env),
     )
     _recorder = Recorder(
         job=job, attempt=attempt, node=node, rank=rank, sink=transport,
@@ -262,6 +270,7 @@ def install(env: dict[str, str] | None = None) -> bool:
     _buffer_records(source)
     _heartbeat_s(source)
     _inflight_s(source)
+    _send_s(source)
     _ddp_trace_every(source)
     _env = source
     sys.meta_path.insert(0, PostImportFinder())

@@ -1,6 +1,7 @@
 """Rank -> node agent transport: a bounded queue drained by a daemon thread onto a unix socket.
 
-The training thread only appends to a deque (`offer`); a daemon thread turns the items into
+The training thread only appends to a deque (`offer`); a daemon thread wakes every `poll_s`
+(TRACEHOUND_SEND_S), or at once when nudged (`nudge`), and turns the items queued by then into
 records, encodes them with `tracing.wire.encode_line` as newline-delimited JSON and writes them
 to the node agent's socket, reconnecting with backoff (`tracing.retry`: 0.05 s, doubling, at most
 `max_backoff_s`) while the agent is not (yet) there. Records stay buffered up to the bound while
@@ -38,7 +39,7 @@ import time
 from tracehound.agent.recorder import Pending, materialize
 from tracehound.tracing import wire
 from tracehound.tracing.retry import Backoff, BackoffState
-from tracehound.tracing.settings import DEFAULT_BUFFER_RECORDS
+from tracehound.tracing.settings import DEFAULT_BUFFER_RECORDS, DEFAULT_SEND_S
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class SocketTransport:
         path: str,
         *,
         bound: int = DEFAULT_BUFFER_RECORDS,
-        poll_s: float = 0.05,
+        poll_s: float = DEFAULT_SEND_S,
         max_backoff_s: float = 1.0,
     ) -> None:
         self.path = path
@@ -106,6 +107,11 @@ class SocketTransport:
             return False
         self._queue.append(item)
         return True
+
+    def nudge(self) -> None:
+        """Send what is queued now rather than at the next `poll_s` tick (for a record the
+        node agent should see at once: a heartbeat of a rank with a call long in flight)."""
+        self._wake.set()
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -11,6 +11,7 @@ argument, uses that constant rather than repeating the value.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -42,6 +43,21 @@ after several missed ones (`DetectionSettings.heartbeat_timeout_s`)."""
 
 MIN_HEARTBEAT_S = 0.01
 """Keeps a mistyped value from flooding the node agent with heartbeats."""
+
+TRACEHOUND_SEND_S = "TRACEHOUND_SEND_S"
+"""Seconds between a rank's sends to its node agent (default DEFAULT_SEND_S, at least
+MIN_SEND_S): what the rank recorded meanwhile goes in one write. A heartbeat sent while a call
+has been in flight for TRACEHOUND_INFLIGHT_S goes at once."""
+
+DEFAULT_SEND_S = 0.2
+"""Each send wakes the rank's sender thread, the node agent and the sender again for the agent's
+acknowledgement, on cores the ranks share: on the 4-rank CPU job of bench/overhead.py, sends
+every 0.05 s (one or two steps' records each) cost the job several percent of its step time,
+and every 0.2 s about a fifth of that. Records reach the agent at most this much later; the
+detection thresholds are seconds."""
+
+MIN_SEND_S = 0.001
+"""Keeps a mistyped value from spinning the sender thread."""
 
 TRACEHOUND_INFLIGHT_S = "TRACEHOUND_INFLIGHT_S"
 """Seconds a collective or point-to-point call may be in flight before its rank sends heartbeats
@@ -170,7 +186,7 @@ def env_float(
     name: str, default: float, *, env: Mapping[str, str] | None = None, minimum: float = 0.0
 ) -> float:
     """The number in variable `name` of `env` (default: the process environment), `default`
-    when it is unset or empty; SettingError when it is no number or below `minimum`."""
+    when it is unset or empty; SettingError when it is no finite number or below `minimum`."""
     raw = (os.environ if env is None else env).get(name, "")
     if not raw:
         return default
@@ -178,6 +194,8 @@ def env_float(
         value = float(raw)
     except ValueError:
         raise SettingError(f"{name}={raw!r}: expected a number, e.g. {default}") from None
+    if not math.isfinite(value):
+        raise SettingError(f"{name}={raw!r}: expected a finite number, e.g. {default}")
     if value < minimum:
         raise SettingError(f"{name}={raw!r}: expected a number >= {minimum}")
     return value

@@ -268,6 +268,36 @@ def test_agent_receives_from_transport_rejects_bad_lines_and_ships(tmp_path: Pat
     assert stats["pending_segments"] == 0
 
 
+def test_transport_sends_at_its_interval_or_when_nudged(tmp_path: Path) -> None:
+    """A real SocketTransport and node agent: with a send interval of an hour, what is offered
+    after the transport went idle waits in its queue until `nudge` sends it."""
+    socket_path = str(tmp_path / "agent.sock")
+    sp = Spool(tmp_path / "spool", node="n", seal_interval_s=0.05)
+    agent = NodeAgent(job="j", node="n", socket_path=socket_path, spool=sp, sink=FlakySink(0),
+                      stats_file=str(tmp_path / "stats.json"), stats_interval_s=0.2)
+    agent.start()
+    transport = SocketTransport(socket_path, bound=100, poll_s=3600.0)
+    try:
+        rec = Recorder(job="j", attempt=0, node="n", rank=1, sink=transport)
+        rec.heartbeat()
+        transport.start()  # connects and sends what is queued, then waits for its next tick
+        deadline = time.monotonic() + 30
+        while not (transport.sent == 1 and transport._idle.is_set()) and (
+                time.monotonic() < deadline):
+            time.sleep(0.01)
+        assert transport.sent == 1
+        rec.end(rec.begin("0", "all_reduce", 4, "float32"), True)
+        time.sleep(0.3)
+        assert (transport.sent, transport.pending) == (1, 1)  # waits for the next tick
+        transport.nudge()
+        while transport.sent < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (transport.sent, transport.pending, transport.dropped) == (2, 0, 0)
+    finally:
+        transport.close(1.0)
+        agent.stop()
+
+
 @pytest.mark.parametrize("bound", [2])
 def test_transport_drops_beyond_its_bound(bound: int, tmp_path: Path) -> None:
     transport = SocketTransport(str(tmp_path / "nobody.sock"), bound=bound)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -86,6 +89,61 @@ def test_bad_inflight_setting_names_the_variable() -> None:
         autoinstall._inflight_s({"TRACEHOUND_INFLIGHT_S": "-1"})
     assert autoinstall._inflight_s({}) == 1.0
     assert autoinstall._inflight_s({"TRACEHOUND_INFLIGHT_S": "0.25"}) == 0.25
+
+
+def test_bad_send_setting_names_the_variable() -> None:
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        with pytest.raises(SettingError, match=f"TRACEHOUND_SEND_S='{bad}'"):
+            autoinstall._send_s({"TRACEHOUND_SEND_S": bad})
+    assert autoinstall._send_s({}) == 0.2
+    assert autoinstall._send_s({"TRACEHOUND_SEND_S": "0.05"}) == 0.05
+
+
+class NudgedSink(Sink):
+    """Counts the heartbeats offered and the nudges after them."""
+
+    def __init__(self) -> None:
+        self.beats = 0
+        self.nudged = 0
+        self.lock = threading.Lock()
+
+    def offer(self, item: Pending) -> bool:
+        if isinstance(item, Heartbeat):
+            with self.lock:
+                self.beats += 1
+        return True
+
+    def nudge(self) -> None:
+        with self.lock:
+            self.nudged += 1
+
+
+def wait_for(condition: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + 30
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_heartbeats_of_a_call_long_in_flight_are_sent_at_once() -> None:
+    """The heartbeat thread nudges its sink (a SocketTransport sends then rather than at its
+    next TRACEHOUND_SEND_S tick) after each fast heartbeat, and after no other."""
+    sink = NudgedSink()
+    rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, heartbeat_s=0.2,
+                   inflight_s=0.0, pid=1)
+    rec.start()
+    try:
+        assert wait_for(lambda: sink.beats >= 3)
+        assert sink.nudged == 0  # nothing in flight: beats at the normal interval, not nudged
+        token = rec.begin("0", "all_reduce", 4, "float32")
+        assert wait_for(lambda: sink.nudged >= 3)
+        rec.end(token, True)
+        with sink.lock:
+            nudged, beats = sink.nudged, sink.beats
+        assert wait_for(lambda: sink.beats >= beats + 3)
+        assert sink.nudged <= nudged + 1  # at most the beat that was on its way
+    finally:
+        rec.close(timeout=1.0)
 
 
 @pytest.mark.slow
