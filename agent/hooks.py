@@ -1041,9 +1041,9 @@ def _around_forward(model: Any, count: _DdpCount) -> None:
 
     Through the model's own `_pre_forward` and `_post_forward` (DDP's forward calls both on
     `self`), each wrapped on the instance: one Python call more per forward. Module hooks would
-    do the same through the module's hook path, which takes nn.Module's slow call for both
-    modules on every forward (measured on this torch: ~6 us each on a CPU step, a third of what
-    counting costs a step). A torch without those methods gets the hooks."""
+    do the same through nn.Module's slow call path, taken by both modules on every forward:
+    measured on this torch and a small CPU model, a forward of the DDP model cost +20 us with
+    the hooks against +6 us with the wrappers. A torch without those methods gets the hooks."""
     pre = getattr(model, "_pre_forward", None)
     post = getattr(model, "_post_forward", None)
     if not (callable(pre) and callable(post)):

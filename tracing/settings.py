@@ -80,7 +80,9 @@ the straggler analysis). With 16 the hang and straggler tests of
 tests/controller/test_run_faults.py pass as with 1; but the counting (a hook at each forward's
 start and end, one event a step) costs about what one recorded bucket does, so on a model of
 one bucket a step it saves nothing measurable (bench/overhead.py with 16: 1.044, runs
-1.034 and 1.048; every step: 1.030); it can pay on models of several buckets a step."""
+1.034 and 1.048; every step: 1.030; with 16 again after the forward hooks gave way to
+wrappers and sends every TRACEHOUND_SEND_S: 1.054); it can pay on models of several buckets
+a step."""
 
 DEFAULT_DDP_TRACE_EVERY = 1
 
