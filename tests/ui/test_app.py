@@ -213,10 +213,15 @@ def test_every_view_on_a_real_demo_run(demo_store: FilledStore,
     at = app(demo_store.url, "progress", monkeypatch, job="demo-hang")
     rows = _chart_rows(charts(at)[0])
     last = max(r["seq"] for r in rows)
-    # ranks 0-2 wait in the last call; rank 3 was stopped before it entered it or inside it
-    last_column = {r["ranks"]: r["status"] for r in rows if r["seq"] == last}
-    assert [last_column[r] for r in "012"] == ["waiting"] * 3
-    assert last_column["3"] in ("not entered", "waiting")
+    # ranks 0-2 wait in the last call, or one call short of it: rank 3 stopped in the middle of
+    # a ring all-reduce leaves the peers that had its last chunk done with that call and a peer
+    # that had not still inside it (seen: ranks 0 and 1 inside 121, rank 2 inside 120); rank 3
+    # was stopped before it entered the last call or inside it
+    column = {seq: {r["ranks"]: r["status"] for r in rows if r["seq"] == seq}
+              for seq in (last - 1, last)}
+    assert all("waiting" in (column[last].get(r), column[last - 1].get(r)) for r in "012"), column
+    assert [column[last].get(r) for r in "012"].count("waiting") >= 1, column
+    assert column[last]["3"] in ("not entered", "waiting")
     assert _culprit_cells(at) == {"3"}
     for view in ("stragglers", "health"):
         assert texts(app(demo_store.url, view, monkeypatch, job="demo-hang"))
