@@ -161,6 +161,13 @@ class _Group:
         return since or self.last_enqueue_us
 
 
+def _with_live(refs: list[weakref.WeakMethod[Callable[[], None]]], method: Callable[[], None]
+               ) -> list[weakref.WeakMethod[Callable[[], None]]]:
+    """A new list (the old one may be iterated without the lock meanwhile): the live entries
+    of `refs`, then a weak reference to the bound `method`."""
+    return [r for r in refs if r() is not None] + [weakref.WeakMethod(method)]
+
+
 Token = tuple[_Group, int, str, int, str, int, int]
 """What `begin` returns and `end` takes: (group, seq, op, nbytes, dtype, peer, enqueue_us)."""
 
@@ -370,22 +377,19 @@ class Recorder:
         from the heartbeat thread, at every optimizer step and at close, as long as its object
         lives."""
         with self._lock:
-            self._settlers = [s for s in self._settlers if s() is not None]
-            self._settlers.append(weakref.WeakMethod(settle))
+            self._settlers = _with_live(self._settlers, settle)
 
     def add_watcher(self, look: Callable[[], None]) -> None:
         """`look` (a bound method) is called from the heartbeat thread before each look at what
         is pending, and at close, never at an optimizer step, as long as its object lives."""
         with self._lock:
-            self._watchers = [w for w in self._watchers if w() is not None]
-            self._watchers.append(weakref.WeakMethod(look))
+            self._watchers = _with_live(self._watchers, look)
 
     def add_step_hook(self, hook: Callable[[], None]) -> None:
         """`hook` (a bound method) is called at every training step (an optimizer step of the
         lead optimizer, not paused), on the training thread, as long as its object lives."""
         with self._lock:
-            self._step_hooks = [h for h in self._step_hooks if h() is not None]
-            self._step_hooks.append(weakref.WeakMethod(hook))
+            self._step_hooks = _with_live(self._step_hooks, hook)
 
     def settle(self) -> None:
         """Let the settlers end the calls of theirs that have completed."""

@@ -51,10 +51,10 @@ has been in flight for TRACEHOUND_INFLIGHT_S goes at once."""
 
 DEFAULT_SEND_S = 0.2
 """Each send wakes the rank's sender thread, the node agent and the sender again for the agent's
-acknowledgement, on cores the ranks share: on the 4-rank CPU job of bench/overhead.py, sends
-every 0.05 s (one or two steps' records each) cost the job several percent of its step time,
-and every 0.2 s about a fifth of that. Records reach the agent at most this much later; the
-detection thresholds are seconds."""
+acknowledgement, on cores the ranks share: on the 4-rank CPU job of bench/overhead.py (one
+run each, back to back) the traced / untraced step time was 1.068 with sends every 0.05 s (one
+or two steps' records each) and 1.027 with sends every 0.2 s. Records reach the agent at most
+this much later; the detection thresholds are seconds."""
 
 MIN_SEND_S = 0.001
 """Keeps a mistyped value from spinning the sender thread."""
@@ -77,7 +77,7 @@ instead (agent/hooks.py `_DdpCount`, the group `<group>:ddp`): heartbeats show w
 and who lags (the hang detector's dependency), and each step is one recorded `ddp_comm` from the
 end of its forward to the end of the step (who arrives last, and the compute between steps:
 the straggler analysis). With 16 the hang and straggler tests of
-tests/controller/test_run_faults.py pass as with 1; but the counting (a hook at each forward's
+tests/controller/test_run_faults.py pass as with 1; but the counting (a call at each forward's
 start and end, one event a step) costs about what one recorded bucket does, so on a model of
 one bucket a step it saves nothing measurable (bench/overhead.py with 16: 1.044, runs
 1.034 and 1.048; every step: 1.030; with 16 again after the forward hooks gave way to
