@@ -362,6 +362,8 @@ class _Wait:
     seq: int
     op: str
     waited_us: int
+    entered_us: int = 0
+    """When the waiting rank entered the collective, on its own clock."""
 
 
 class _WaitsFor:
@@ -475,7 +477,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             if g.pending_op and hb.time_us - g.last_enqueue_us >= hang_us:
                 stalled.append(
                     _Wait(hb.rank, g.group, g.last_enqueued, g.pending_op,
-                          hb.time_us - g.last_enqueue_us)
+                          hb.time_us - g.last_enqueue_us, g.last_enqueue_us)
                 )
     if not stalled:
         return None
@@ -687,15 +689,16 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     )
 
 
-def _busy_where(life: RankLife | None, hb: Heartbeat | None) -> str:
-    """"; state R, CPU ...; at a.py:1 f > b.py:2 g" for a busy rank, from what is known."""
+def _busy_where(life: RankLife | None, hb: Heartbeat | None, since_us: int = 0) -> str:
+    """"; state R, CPU ...; at a.py:1 f > b.py:2 g" for a busy rank, from what is known (a
+    stack counts from the rank's last activity, or from `since_us` if later)."""
     if life is None:
         return ""
     parts = []
     proc = process_words(life.process)
     if proc:
         parts.append(f"process {proc}")
-    where = where_words(life, _since_us(hb))
+    where = where_words(life, max(_since_us(hb), since_us))
     if where:
         parts.append(f"at {where}")
     return "; " + "; ".join(parts) if parts else ""
@@ -716,19 +719,27 @@ def _stall(
         return snap.now_us - since if since else longest.waited_us
 
     ranks = tuple(sorted(busy, key=lambda r: (-busy_us(r), r)))
+    # A stack from before the peers began to wait shows where the rank was before the work that
+    # keeps them waiting: a rank that waited in DDP's construction (untraced, no progress) and
+    # then computes a slow first step would be placed in the construction.
+    waited_from = min(w.entered_us for w in stalled)
+
+    def since(r: int) -> int:
+        return max(_since_us(beats.get(r)), waited_from)
+
     evidence = [
         Evidence(
             fact=Fact.BUSY, rank=r, node=node_of(r), value=_sec(busy_us(r)),
             detail=(
                 f"rank {r} on node {node_of(r)} is alive and outside collectives for "
                 f"{_sec(busy_us(r)):.1f} s ({lives[r].why})"
-                + _busy_where(lives.get(r), beats.get(r))
+                + _busy_where(lives.get(r), beats.get(r), waited_from)
             ),
         )
         for r in ranks[: settings.max_evidence]
     ]
     for r in ranks[: settings.max_evidence]:
-        stack = fresh_stack(lives[r], _since_us(beats.get(r)))
+        stack = fresh_stack(lives[r], since(r))
         if stack is not None:
             evidence.append(Evidence(
                 fact=Fact.STACK, rank=r, node=node_of(r), value=_sec(stack.time_us),
@@ -736,7 +747,7 @@ def _stall(
             ))
     evidence += _waiting_facts(stalled, node_of)
     lead = ranks[0]
-    where = where_words(lives[lead], _since_us(beats.get(lead)))
+    where = where_words(lives[lead], since(lead))
     who = ", ".join(f"rank {r} on node {node_of(r)}" for r in ranks[:4])
     more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
     summary = (

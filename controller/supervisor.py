@@ -113,6 +113,11 @@ class SupervisorSettings:
     journal_drain_s: float = 10.0
     """How long the end of a run waits for the store to take what is still journaled; the rest
     is written by the next supervisor on the same journal."""
+    stall_stack_wait_s: float = 10.0
+    """How long a stall (observed only) waits to be recorded for a stack of its lead rank
+    captured since the peers began to wait, when the first verdicts have none: where the rank
+    is is most of what a stall incident tells, and the agent's capture of it may come a poll or
+    two after the stall is seen. A stall with no such stack by then is recorded without it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -527,9 +532,22 @@ class Supervisor:
             if not observe_only(steps):
                 return verdict, steps
             key = _episode(verdict)
+            if key not in self._recorded and self._awaits_stack(verdict, now):
+                continue
             if verdict.kind in SOFT_KINDS or key not in self._recorded:
                 self._recorded.add(key)
                 self._recover(verdict, steps)  # observed only; the attempt goes on
+
+    def _awaits_stack(self, verdict: Verdict, now_us: int) -> bool:
+        """Whether to hold a stall verdict back for its lead rank's stack (see
+        `SupervisorSettings.stall_stack_wait_s`)."""
+        if verdict.kind is not IncidentKind.STALL or not verdict.culprit_ranks:
+            return False
+        lead = verdict.culprit_ranks[0]
+        if any(e.fact is Fact.STACK and e.rank == lead for e in verdict.evidence):
+            return False
+        first = self._first_seen.get(_episode(verdict), now_us)
+        return now_us - first < int(self.settings.stall_stack_wait_s * 1e6)
 
     def _calm(self, attempt: int, verdict: Verdict | None, now_us: int) -> None:
         """Back to `running` once no verdict was seen for a detection window while suspect or

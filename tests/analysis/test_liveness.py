@@ -104,6 +104,29 @@ def test_a_rank_writing_a_checkpoint_is_a_stall_with_where_it_is() -> None:
     assert stale is not None and "(at " not in stale.summary
 
 
+def test_a_stack_from_before_the_peers_began_to_wait_does_not_place_a_stall() -> None:
+    # Rank 2 waited in DDP's construction (no traced collective: no progress), where its stack
+    # was taken, then computes a slow first step; 0, 1 and 3 entered all_reduce #1 6 s ago.
+    entered = NOW - 6 * S
+    beats = [beat(2, NOW - S // 5, progress("0", 0, 0, enq_us=0))]
+    beats += [beat(r, NOW - S // 5, progress("0", 1, 0, enq_us=entered)) for r in (0, 1, 3)]
+    in_ddp = stack(2, "torch/nn/parallel/distributed.py:1064 __init__",
+                   "torch/distributed/utils.py:286 _verify_param_shape_across_processes",
+                   at_us=entered - S)
+    snap = replace(snapshot(NOW, 4, beats),
+                   processes=(proc(2, "R", NOW - S // 2, cpu_rate=0.95),), stacks=(in_ddp,))
+    verdict = detect_hang(snap, SETTINGS)
+    assert verdict is not None and verdict.kind is IncidentKind.STALL
+    assert verdict.culprit_ranks == (2,)
+    assert "(at " not in verdict.summary and "_verify_param_shape" not in str(verdict.evidence)
+    assert not any(e.fact is Fact.STACK for e in verdict.evidence)
+    # The capture after the wait began places it.
+    computing = stack(2, "train.py:60 busy_for", "train.py:40 <lambda>", at_us=entered + 2 * S)
+    placed = detect_hang(replace(snap, stacks=(computing,)), SETTINGS)
+    assert placed is not None and "train.py:60 busy_for" in placed.summary
+    assert any(e.fact is Fact.STACK and e.rank == 2 for e in placed.evidence)
+
+
 def test_a_busy_rank_past_the_grace_is_a_hang_that_does_not_implicate_the_machine() -> None:
     # A user-code deadlock outside collectives: alive, reporting, never back.
     beats = [beat(0, NOW - S // 5, progress("0", 40, 40, enq_us=NOW - 700 * S))]

@@ -39,12 +39,16 @@ def check_stall_only(outcome: dict[str, Any], incidents: list[dict[str, Any]], *
                      where: str) -> None:
     assert outcome["completed"] is True, outcome
     assert outcome["attempts"] == 1, outcome
-    assert incidents, "the stall was not recorded"
-    assert {i["kind"] for i in incidents} == {"stall"}, incidents
+    # Nothing but observations: four ranks share two cores here, and the busy rank may also be
+    # seen computing longer than its peers around its stall (a straggler, a soft fault watched
+    # until it repeats); the job is left alone either way.
     for incident in incidents:
-        assert incident["culprit_ranks"][0] == rank
-        assert {a["kind"] for a in incident["actions"]} == {"observe"}
-    assert any(where in stack_words(i) for i in incidents), [stack_words(i) for i in incidents]
+        assert {a["kind"] for a in incident["actions"]} == {"observe"}, incident
+    assert {i["kind"] for i in incidents} <= {"stall", "straggler"}, incidents
+    stalls = [i for i in incidents if i["kind"] == "stall"]
+    assert stalls, "the stall was not recorded"
+    assert all(i["culprit_ranks"][0] == rank for i in stalls), stalls
+    assert any(where in stack_words(i) for i in stalls), [stack_words(i) for i in stalls]
 
 
 def test_checkpoint_write_on_local_rank_0_is_a_stall(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import msgspec
 import pytest
 from supervisor_fakes import Clock, S, ScriptedOrchestrator, heartbeat
 
@@ -21,6 +22,7 @@ from tracehound.tracing.events import (
     ActionKind,
     Batch,
     RankExit,
+    StackSample,
 )
 from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.store import TraceStore
@@ -133,3 +135,61 @@ def test_crash_without_spares_restarts_in_place_and_gives_up_only_when_restarts_
     assert [a.kind for a in first.actions] == [ActionKind.STOP_JOB, ActionKind.RESTART]
     assert "only 0 spare(s) left; nobody evicted" in first.actions[1].detail
     assert [a.kind for a in second.actions] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
+
+
+@pytest.mark.parametrize("stack_at_s", [9.0, None])
+def test_a_stall_waits_for_a_stack_of_its_rank_taken_since_the_peers_began_to_wait(
+    store: TraceStore, tmp_path: Path, stack_at_s: float | None
+) -> None:
+    """Rank 3 is busy outside collectives (its heartbeats go on) while 0-2 wait in #41 from
+    2 s on. Its only stack is from before they began to wait, until the agent's capture of
+    where it is now lands at `stack_at_s` (or never): the stall is recorded with that stack,
+    or, without one, `stall_stack_wait_s` after it was first seen."""
+    clock = Clock()
+    orch = ScriptedOrchestrator()
+    start = clock.now
+    stall_at = start + 2 * S
+    old = StackSample(job=JOB, attempt=0, node=NodeId("node-1"), rank=Rank(3),
+                      time_us=stall_at - S, frames=("train.py:9 main", "ddp.py:1 __init__"))
+    new = msgspec.structs.replace(old, time_us=start + int((stack_at_s or 0) * S),
+                                  frames=("train.py:9 main", "train.py:20 first_step"))
+    seen_at: list[int] = []
+
+    def world(view: PollView) -> None:
+        nodes = orch.plans[-1].rank_nodes()
+        now = clock.now
+        beats: list[object] = [beat(0, r, now, 41, 40, stall_at, nodes[r]) for r in range(3)]
+        beats.append(beat(0, 3, now, 40, 40, stall_at - S // 10, nodes[3]))
+        if now == start + S // 2:
+            beats.append(old)
+        if stack_at_s is not None and now == new.time_us:
+            beats.append(new)
+        if store.incidents(JOB) and not seen_at:
+            seen_at.append(now)
+        if now >= start + 30 * S:
+            orch.exits = [RankExit(job=JOB, attempt=0, node=NodeId(nodes[r]), rank=Rank(r),
+                                   pid=1000 + r, exit_code=0, time_us=now) for r in range(4)]
+        store.insert(Batch(batch_id=f"b{now}", records=tuple(beats)))  # type: ignore[arg-type]
+
+    sup = Supervisor(
+        spec=JobSpec(job=JOB, command=("python", "train.py"), nnodes=2, nproc_per_node=2),
+        store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
+        settings=SupervisorSettings(poll_s=0.5, detection=DetectionSettings(hang_after_s=5.0),
+                                    stall_stack_wait_s=10.0),
+        evidence_dir=tmp_path,
+    )
+    result = sup.run()
+
+    assert result.completed is True and result.attempts == 1
+    (incident,) = store.incidents(JOB)
+    assert incident.kind == "stall" and incident.culprit_ranks == (3,)
+    assert [a.kind for a in incident.actions] == [ActionKind.OBSERVE]
+    # 0-2 have waited 5 s at 7 s: the stall is first seen by the poll at 7.5 s
+    first_seen = start + 7_500_000
+    if stack_at_s is not None:
+        assert "train.py:20 first_step" in incident.summary
+        assert incident.detected_at_us == new.time_us + S // 2
+    else:
+        assert "(at " not in incident.summary and "__init__" not in incident.verdict_json
+        assert incident.detected_at_us == first_seen + 10 * S
+    assert seen_at and seen_at[0] > incident.detected_at_us
