@@ -87,6 +87,7 @@ def load_observation(
     min_collectives: int = 24,
     max_window_s: float = 900.0,
     health_lookback_s: float = HEALTH_LOOKBACK_S,
+    since_us: int = 0,
 ) -> Observation:
     """Read one detection window ending at `now_us` from a store; every summary is computed by
     the store in SQL, so the rows read back are per rank, per link or per node, never per event.
@@ -103,7 +104,9 @@ def load_observation(
     collectives in it (steps of tens of seconds), the window widens, up to `max_window_s`, until
     it holds that many, and the per-node windows widen with it. Node clock offsets are estimated
     first (`analysis.clocks`) and every summary compares times on the clocks they correct.
-    Health events are read from `health_lookback_s` before the window on (`HEALTH_LOOKBACK_S`)."""
+    Health events are read from `health_lookback_s` before the window on (`HEALTH_LOOKBACK_S`).
+    The summaries' window never starts before `since_us` (an attempt's warm-up ends there), nor
+    widens past it."""
     snap = snapshot or load_snapshot(store, job=job, attempt=attempt, now_us=now_us,
                                      expected_ranks=expected_ranks)
     start = now_us - int(window_s * 1_000_000)
@@ -115,16 +118,19 @@ def load_observation(
                               events_since_us=start - int(health_lookback_s * 1_000_000))
         return Observation(snapshot=snap, window_start_us=start, window_end_us=now_us,
                            health=tuple(events))
-    window_us = int(window_s * 1_000_000)
+    widest_us = int(max_window_s * 1_000_000)
+    if since_us:
+        widest_us = max(1, min(widest_us, now_us - since_us))
+    window_us = min(int(window_s * 1_000_000), widest_us)
     clocks, ranks = _ranks_and_clocks(store, job, attempt, now_us, window_us)
     # Judge over collectives, not seconds: a job with long steps has few collectives in the
     # window, so the window widens until the median rank has `min_collectives` of them.
     for _ in range(_WIDENINGS):
         have = float(np.median(ranks.n)) if ranks.n.size else 0.0
-        if have >= min_collectives or window_us >= int(max_window_s * 1_000_000):
+        if have >= min_collectives or window_us >= widest_us:
             break
         factor = min_collectives / have * 1.2 if have > 0 else 6.0
-        window_us = min(int(window_us * max(factor, 1.5)), int(max_window_s * 1_000_000))
+        window_us = min(int(window_us * max(factor, 1.5)), widest_us)
         clocks, ranks = _ranks_and_clocks(store, job, attempt, now_us, window_us)
     start = now_us - window_us
     scale = window_us / (window_s * 1_000_000)
@@ -147,7 +153,8 @@ def load_observation(
             nodes, start, now_us,
             events_since_us=start - int(health_lookback_s * 1_000_000))),
         node_windows=store.node_windows(job, attempt, node_start, now_us,
-                                        int(node_window_s * scale * 1_000_000), clock=clock),
+                                        max(1, int(node_window_s * scale * 1_000_000)),
+                                        clock=clock),
     )
 
 

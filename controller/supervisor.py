@@ -113,6 +113,11 @@ class SupervisorSettings:
     journal_drain_s: float = 10.0
     """How long the end of a run waits for the store to take what is still journaled; the rest
     is written by the next supervisor on the same journal."""
+    warmup_s: float = 3.0
+    """Soft faults (a straggler, a slow link, a node outlier) are judged only on what an attempt
+    did from this long after its ranks' first training steps (or after its launch, for a script
+    whose steps are not seen): the first steps after a launch or a restart (lazy initialization,
+    a checkpoint's load, compilation, cold caches) run unevenly on healthy ranks."""
     stall_stack_wait_s: float = 10.0
     """How long a stall (observed only) waits to be recorded for a stack of its lead rank
     captured since the peers began to wait, when the first verdicts have none: where the rank
@@ -190,6 +195,8 @@ class Supervisor:
         """When each verdict episode (kind, culprits, where) was first seen."""
         self._recorded: set[tuple[object, ...]] = set()
         """Watched episodes already recorded as incidents (recorded once, however long)."""
+        self._held: tuple[Verdict, tuple[PlannedAction, ...]] | None = None
+        """A stall held back for its rank's stack (`_awaits_stack`), with its plan."""
         self._soft_quiet_until = 0
         self.pool = NodePool(
             [NodeId(n) for n in spec.pool]
@@ -470,6 +477,7 @@ class Supervisor:
         )
         wait_exit = getattr(self.orch, "wait_exit", None)
         warmed = False
+        trains_since_us = started_us  # its launch, until every rank's first step is seen
         settled_at_us: int | None = None
         """When the first failed exit has settled (the crash detector waits that long)."""
         while True:
@@ -489,15 +497,19 @@ class Supervisor:
                     settled_at_us = exit_.time_us + int(
                         self.settings.detection.crash_settle_s * 1e6)
             if len(clean) == plan.world_size:
+                self._record_held(None)
                 self._measure_restart(plan, None)
                 self._resolve_open()
                 return None
             now = self.clock()
             if timeout_us is not None and now - started_us > timeout_us:
                 return f"timed out after {self.settings.timeout_s:.0f} s"
-            # a poll woken by an exit reads no window summaries: a crash needs none of them
-            refresh = (not exited and now - last_summaries_us
-                       >= int(self.settings.summaries_every_s * 1e6))
+            # a poll woken by an exit reads no window summaries: a crash needs none of them;
+            # nor does one in the attempt's warm-up, which soft faults are not judged on
+            every_us = int(self.settings.summaries_every_s * 1e6)
+            judged_from_us = trains_since_us + int(self.settings.warmup_s * 1e6)
+            refresh = (not exited and now - judged_from_us >= every_us
+                       and now - last_summaries_us >= every_us)
             # the exits go to the store before the snapshot is read: read first, a crash would
             # wait a poll to be seen
             exits_stored = self._exits_stored()
@@ -505,7 +517,7 @@ class Supervisor:
                 obs = load_observation(
                     self.store, job=plan.job, attempt=plan.attempt, now_us=now,
                     window_s=self.settings.window_s, expected_ranks=rank_nodes,
-                    summaries=refresh,
+                    summaries=refresh, since_us=judged_from_us,
                     uneven_ops=self.settings.detection.mismatch_size_exempt_ops,
                 )
                 if refresh:
@@ -516,6 +528,7 @@ class Supervisor:
             self._measure_restart(plan, obs.snapshot)
             if not warmed and _trains(obs.snapshot):
                 warmed = True
+                trains_since_us = _first_steps_done_us(obs.snapshot)
                 warm_up = getattr(self.orch, "warm_up", None)
                 if warm_up is not None:  # spares for the next attempt, now that this one trains
                     warm_up()
@@ -524,6 +537,7 @@ class Supervisor:
             if self.observer is not None:
                 self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
             verdict = diagnose_observation(obs, self.settings.detection)
+            self._record_held(verdict)
             self._calm(plan.attempt, verdict, now)
             if verdict is None or not self._soft_gate(verdict, now):
                 continue
@@ -533,10 +547,31 @@ class Supervisor:
                 return verdict, steps
             key = _episode(verdict)
             if key not in self._recorded and self._awaits_stack(verdict, now):
+                if self._held is None:
+                    self.log.info("stall of rank %d seen; recorded once a stack of it taken "
+                                  "since its peers began to wait is in, or within %.0f s",
+                                  verdict.culprit_ranks[0], self.settings.stall_stack_wait_s)
+                self._held = (verdict, steps)
                 continue
+            self._held = None
             if verdict.kind in SOFT_KINDS or key not in self._recorded:
                 self._recorded.add(key)
                 self._recover(verdict, steps)  # observed only; the attempt goes on
+
+    def _record_held(self, verdict: Verdict | None) -> None:
+        """Record the stall held back for a stack once it is over (the next verdict is another
+        episode, or none, or the attempt ended): with the evidence it had, never lost."""
+        held = self._held
+        if held is None or (verdict is not None and _episode(verdict) == _episode(held[0])):
+            return
+        self._held = None
+        key = _episode(held[0])
+        if key in self._recorded:
+            return
+        self._recorded.add(key)
+        self.log.info("the stall of rank %d ended before a stack of it taken since its peers "
+                      "began to wait came in: recorded without one", held[0].culprit_ranks[0])
+        self._recover(*held)
 
     def _awaits_stack(self, verdict: Verdict, now_us: int) -> bool:
         """Whether to hold a stall verdict back for its lead rank's stack (see
@@ -766,6 +801,12 @@ class Supervisor:
 def _gave_up(plan: tuple[PlannedAction, ...]) -> str | None:
     """Why the plan gives up on the job, if it does."""
     return next((s.reason for s in plan if s.kind is ActionKind.GIVE_UP), None)
+
+
+def _first_steps_done_us(snapshot: JobSnapshot) -> int:
+    """When the last rank of the attempt made its first training step (its own clock)."""
+    return max(h.first_step_us for h in snapshot.heartbeats
+               if h.attempt == snapshot.attempt and h.first_step_us)
 
 
 def _trains(snapshot: JobSnapshot) -> bool:

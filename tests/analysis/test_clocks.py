@@ -235,3 +235,14 @@ def test_load_observation_corrects_clocks_and_widens_sparse_windows(store: Trace
     # stretched steps stretch the noise too: within a few stretched microseconds
     assert np.abs(obs.ranks.lateness_mean_us - want.lateness_mean_us).max() < stretch * 60.0
     assert int(obs.ranks.rank[np.argmax(obs.ranks.last_count)]) == 5
+    # From `since_us` on only (an attempt's warm-up ends there): the window widens up to it,
+    # not past it (41 s above), and holds none of the collectives before it.
+    since = end - 30_000_000
+    late = load_observation(store, job=JobId("clocked"), attempt=0, now_us=end, window_s=10.0,
+                            expected_ranks=trace.node_of_rank, since_us=since)
+    assert obs.window_start_us < since == late.window_start_us
+    later = load_observation(store, job=JobId("clocked"), attempt=0, now_us=end, window_s=10.0,
+                             expected_ranks=trace.node_of_rank, since_us=end - 4_000_000)
+    assert later.window_start_us == end - 4_000_000
+    assert late.ranks is not None and later.ranks is not None
+    assert np.median(later.ranks.n) < np.median(late.ranks.n) < np.median(obs.ranks.n)
