@@ -1,18 +1,20 @@
 """A plain torchrun DDP script (no Tracehound import) whose ranks do real work outside collectives.
 
-    --scenario checkpoint   at --at-step, local rank 0 of node 0 writes a checkpoint for 8 s
+    --scenario checkpoint   at --at-step, local rank 0 of node 0 writes a checkpoint for 12 s
                             (torch.save of its state, fsynced, again and again) while the others
                             wait in the next all-reduce
-    --scenario eval         at --at-step, rank 0 runs an 8 s evaluation pass (no_grad forwards)
+    --scenario eval         at --at-step, rank 0 runs a 12 s evaluation pass (no_grad forwards)
     --scenario first-step   rank --rank's first step is 10 s slower (CPU work, like compilation)
-    --scenario dataload     at --at-step, rank --rank waits 9 s for its next batch
+    --scenario dataload     at --at-step, rank --rank waits 12 s for its next batch
     --scenario deadlock     at --at-step, rank --rank deadlocks on a lock of its own, in attempt 0
                             only (a user-code bug outside collectives)
     --scenario pipeline     two stages with send/recv of a 16 MB activation; at --at-step the
                             last stage stops itself (SIGSTOP from a thread) inside its recv, in
                             attempt 0 only, while the first stage blocks in the matching send
 
-Each run ends with "done" on every rank.
+Each run ends with "done" on every rank. The stalls last 12 s: with the hang threshold at 5 s a
+stall is one for its last 7 s only, and on two shared cores the heartbeats that show it reach
+the controller a second or more late.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def train(args: argparse.Namespace, rank: int) -> None:
             a = torch.randn(256, 256)
             busy_for(10.0, lambda a=a: a @ a)
         if args.scenario == "dataload" and step == args.at_step and rank == args.rank:
-            time.sleep(9.0)  # the loader waits on storage
+            time.sleep(12.0)  # the loader waits on storage
         if args.scenario == "deadlock" and step == args.at_step and rank == args.rank and (
             attempt() == 0
         ):
@@ -78,11 +80,11 @@ def train(args: argparse.Namespace, rank: int) -> None:
                     f.flush()
                     os.fsync(f.fileno())
 
-            busy_for(8.0, write)
+            busy_for(12.0, write)
         if step == args.at_step and rank == 0 and args.scenario == "eval":
             with torch.no_grad():
                 batch = torch.randn(512, 64)
-                busy_for(8.0, lambda batch=batch: model.module(batch))
+                busy_for(12.0, lambda batch=batch: model.module(batch))
 
 
 def pipeline(args: argparse.Namespace, rank: int) -> None:
