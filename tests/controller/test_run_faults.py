@@ -26,6 +26,14 @@ def run_job(tmp_path: Path, job: str, *script_args: str,
     ])
 
 
+def beside_observed_stragglers(incidents: list[Any]) -> list[Any]:
+    """The incidents but stragglers that were only watched, which four ranks sharing two cores
+    here may show around a fault or in a restarted attempt (a CI run: a rank at 1.15x its
+    peers). A straggler acted on stays in, and fails the comparison it is part of."""
+    return [i for i in incidents if not (
+        i["kind"] == "straggler" and [a["kind"] for a in i["actions"]] == ["observe"])]
+
+
 @pytest.mark.parametrize("every", ["1", "16"])
 def test_hang_inside_a_rank(tmp_path: Path, every: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The script's hang sleeps forever outside collectives: alive and reporting, so a stall,
@@ -37,6 +45,7 @@ def test_hang_inside_a_rank(tmp_path: Path, every: str, monkeypatch: pytest.Monk
                                  "--fault", "hang", "--fault-rank", "1", "--fault-step", "40",
                                  extra=("--busy-grace", "12"))
     assert outcome["completed"] is True, outcome
+    incidents = beside_observed_stragglers(incidents)
     assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"]) for i in incidents] == [
         ("stall", [1], ["node-0"]), ("hang", [1], ["node-0"])]
     assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "restart", "resumed"]
@@ -46,8 +55,8 @@ def test_crash_of_a_rank(tmp_path: Path) -> None:
     outcome, incidents = run_job(tmp_path, "crash", "--steps", "120", "--step-sleep-ms", "20",
                                  "--fault", "crash", "--fault-rank", "2", "--fault-step", "40")
     assert outcome["completed"] is True, outcome
-    assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"]) for i in incidents] == [
-        ("crash", [2], ["node-1"])]
+    assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"])
+            for i in beside_observed_stragglers(incidents)] == [("crash", [2], ["node-1"])]
 
 
 @pytest.mark.parametrize("every", ["1", "16"])
@@ -61,10 +70,14 @@ def test_slowed_rank_is_a_straggler_observed_then_isolated(
                                  "--fault-step", "20")
     assert outcome["completed"] is True, outcome
     kinds = [(i["kind"], i["culprit_ranks"][0], i["culprit_nodes"][0]) for i in incidents]
-    assert kinds == [("straggler", 3, "node-1"), ("straggler", 3, "node-1")]
+    assert kinds[:2] == [("straggler", 3, "node-1"), ("straggler", 3, "node-1")], kinds
     assert [a["kind"] for a in incidents[0]["actions"]] == ["observe"]
     assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "isolate_node",
                                                             "restart", "resumed"]
+    # after the restart without node-1, at most a weak one watched (a CI run: rank 0 at 1.15x)
+    later = incidents[2:]
+    assert all(i["attempt"] == 1 and [a["kind"] for a in i["actions"]] == ["observe"]
+               for i in later), later
 
 
 def test_op_mismatch_names_the_odd_rank_and_stops(tmp_path: Path) -> None:
@@ -72,7 +85,7 @@ def test_op_mismatch_names_the_odd_rank_and_stops(tmp_path: Path) -> None:
                                  "10", "--fault", "mismatch", "--fault-rank", "2",
                                  "--fault-step", "30")
     assert outcome["completed"] is False
-    (incident,) = incidents
+    (incident,) = beside_observed_stragglers(incidents)
     assert incident["kind"] == "mismatch"
     assert incident["culprit_ranks"][0] == 2
     assert incident["culprit_nodes"][0] == "node-1"
