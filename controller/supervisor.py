@@ -526,9 +526,10 @@ class Supervisor:
                 self.log.warning("store unavailable, analysis paused: %s", exc)
                 continue
             self._measure_restart(plan, obs.snapshot)
-            if not warmed and _trains(obs.snapshot):
+            trained = None if warmed else _trains_since_us(obs.snapshot)
+            if trained is not None:
                 warmed = True
-                trains_since_us = _first_steps_done_us(obs.snapshot)
+                trains_since_us = trained
                 warm_up = getattr(self.orch, "warm_up", None)
                 if warm_up is not None:  # spares for the next attempt, now that this one trains
                     warm_up()
@@ -803,17 +804,14 @@ def _gave_up(plan: tuple[PlannedAction, ...]) -> str | None:
     return next((s.reason for s in plan if s.kind is ActionKind.GIVE_UP), None)
 
 
-def _first_steps_done_us(snapshot: JobSnapshot) -> int:
-    """When the last rank of the attempt made its first training step (its own clock)."""
-    return max(h.first_step_us for h in snapshot.heartbeats
-               if h.attempt == snapshot.attempt and h.first_step_us)
-
-
-def _trains(snapshot: JobSnapshot) -> bool:
-    """Whether every expected rank of the attempt has finished its first step."""
-    first = {h.rank for h in snapshot.heartbeats
+def _trains_since_us(snapshot: JobSnapshot) -> int | None:
+    """When the last expected rank of the attempt finished its first step (its own clock);
+    None until every one has."""
+    first = {h.rank: h.first_step_us for h in snapshot.heartbeats
              if h.attempt == snapshot.attempt and h.first_step_us}
-    return bool(snapshot.expected_ranks) and set(snapshot.expected_ranks) <= first
+    if not snapshot.expected_ranks or not set(snapshot.expected_ranks) <= set(first):
+        return None
+    return max(first.values())
 
 
 def _episode(verdict: Verdict) -> tuple[object, ...]:
