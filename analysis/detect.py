@@ -628,7 +628,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                 f"rank {r} on node {node_of(r)} has kept its peers waiting for "
                 f"{_sec(longest.waited_us):.1f} s, longer than the busy grace of "
                 f"{settings.busy_grace_s:.0f} s, outside collectives"
-                + _busy_where(lives.get(r), beats.get(r))
+                + _busy_where(lives.get(r), _since_us(beats.get(r)))
             ),
         )
         for r in ordered if r not in frozen and r in beats and r not in exited
@@ -689,16 +689,16 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     )
 
 
-def _busy_where(life: RankLife | None, hb: Heartbeat | None, since_us: int = 0) -> str:
+def _busy_where(life: RankLife | None, since_us: int) -> str:
     """"; state R, CPU ...; at a.py:1 f > b.py:2 g" for a busy rank, from what is known (a
-    stack counts from the rank's last activity, or from `since_us` if later)."""
+    stack counts if taken since `since_us`)."""
     if life is None:
         return ""
     parts = []
     proc = process_words(life.process)
     if proc:
         parts.append(f"process {proc}")
-    where = where_words(life, max(_since_us(hb), since_us))
+    where = where_words(life, since_us)
     if where:
         parts.append(f"at {where}")
     return "; " + "; ".join(parts) if parts else ""
@@ -733,7 +733,7 @@ def _stall(
             detail=(
                 f"rank {r} on node {node_of(r)} is alive and outside collectives for "
                 f"{_sec(busy_us(r)):.1f} s ({lives[r].why})"
-                + _busy_where(lives.get(r), beats.get(r), waited_from)
+                + _busy_where(lives.get(r), since(r))
             ),
         )
         for r in ranks[: settings.max_evidence]
