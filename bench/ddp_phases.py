@@ -91,38 +91,28 @@ def worker(args: argparse.Namespace) -> int:
     """One rank: train both models, print rank 0's figures as `ddp-phases {json}`."""
     counts: dict[str, list[float]] = {}
     _timed_entry_points(counts)  # before any model: DDP's step hooks are bound methods
-    import torch
     import torch.distributed as dist
+    from overhead_job import batch, net, optimizers, start
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from tracehound.agent import autoinstall, hooks
+    from tracehound.agent import hooks
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    if autoinstall.recorder() is None:
-        print("ddp_phases: the recorder is not installed in this rank (run it through "
-              "bench/ddp_phases.py)", file=sys.stderr, flush=True)
+    started = start("ddp_phases")
+    if started is None:
         return 2
-
-    def net() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(),
-                             nn.Linear(args.width, 1))
-
-    traced = DistributedDataParallel(net())
+    rank, _ = started
+    traced = DistributedDataParallel(net(args.width))
     with hooks.untraced_ddp():
-        plain = DistributedDataParallel(net())
+        plain = DistributedDataParallel(net(args.width))
     models = {"traced": traced, "plain": plain}
-    optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-                  for k, m in models.items()}
-    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
-    y = x.sum(dim=1, keepdim=True).sin()
+    optimizer_of = optimizers(models)
+    x, y = batch(rank, args.width, args.batch)
     loss_fn = nn.MSELoss()
     clock = time.perf_counter
 
     def block(kind: str, steps: int) -> list[float]:
-        model, optimizer = models[kind], optimizers[kind]
+        model, optimizer = models[kind], optimizer_of[kind]
         spent = [0.0, 0.0, 0.0]
         for _ in range(steps):
             a = clock()

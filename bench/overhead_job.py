@@ -33,6 +33,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -60,22 +61,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from tracehound.agent import autoinstall, hooks
+def start(script: str) -> tuple[int, int] | None:
+    """Join the job's gloo group; (rank, world size), or None (said on stderr) when the recorder
+    is not installed in this rank. `script` names the caller in the message."""
+    from tracehound.agent import autoinstall
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if autoinstall.recorder() is None:
-        print("overhead_job: the tracehound recorder is not installed in this rank "
+        print(f"{script}: the tracehound recorder is not installed in this rank "
               "(run it under `tracehound instrument`)", file=sys.stderr, flush=True)
-        return 2
+        return None
+    return dist.get_rank(), dist.get_world_size()
 
-    def net() -> nn.Module:
-        torch.manual_seed(0)
-        hidden = [m for _ in range(args.layers)
-                  for m in (nn.Linear(args.width, args.width), nn.ReLU())]
-        return nn.Sequential(*hidden, nn.Linear(args.width, 1))
+
+def net(width: int, layers: int = 1) -> nn.Module:
+    """The timed model, the same weights every time: `layers` hidden Linear+ReLU of `width`,
+    then one output."""
+    torch.manual_seed(0)
+    hidden = [m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())]
+    return nn.Sequential(*hidden, nn.Linear(width, 1))
+
+
+def optimizers(models: Mapping[str, nn.Module]) -> dict[str, torch.optim.Optimizer]:
+    return {kind: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+            for kind, m in models.items()}
+
+
+def batch(rank: int, width: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's one batch (inputs, targets), trained on at every step."""
+    x = torch.randn(size, width, generator=torch.Generator().manual_seed(rank))
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tracehound.agent import hooks
+
+    started = start("overhead_job")
+    if started is None:
+        return 2
+    rank, world = started
 
     def ddp(module: nn.Module) -> DistributedDataParallel:
         return DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb)
@@ -84,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.control:
         with hooks.untraced_ddp():
-            traced = ddp(net())
+            traced = ddp(net(args.width, args.layers))
     else:
-        traced = ddp(net())
+        traced = ddp(net(args.width, args.layers))
     with hooks.untraced_ddp():
-        hooked = ddp(net())
+        hooked = ddp(net(args.width, args.layers))
         hooked.register_comm_hook(None, default_hooks.allreduce_hook)
-        plain = ddp(net())
+        plain = ddp(net(args.width, args.layers))
     if (getattr(traced, "_tracehound_reducer", None) is None) != args.control:
         print("overhead_job: the traced model's all-reduces are not traced",
               file=sys.stderr, flush=True)
@@ -100,16 +125,13 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return 2
     models = {"traced": traced, "hook": hooked, "plain": plain}
-    optimizers = {kind: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-                  for kind, m in models.items()}
-    generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.width, generator=generator)
-    y = x.sum(dim=1, keepdim=True).sin()
+    optimizer_of = optimizers(models)
+    x, y = batch(rank, args.width, args.batch)
     loss_fn = nn.MSELoss()
 
     def block(kind: str, steps: int) -> tuple[float, float]:
         """(wall s, CPU s of this process) of `steps` steps of model `kind`."""
-        model, optimizer = models[kind], optimizers[kind]
+        model, optimizer = models[kind], optimizer_of[kind]
         start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             optimizer.zero_grad(set_to_none=True)
