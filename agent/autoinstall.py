@@ -118,7 +118,7 @@ def _heartbeat_s(env: Mapping[str, str]) -> float:
 
 def _ddp_trace_every(env: Mapping[str, str]) -> int:
     """TRACEHOUND_DDP_TRACE_EVERY of `env`, checked (SettingError)."""
-    return env_int(TRACEHOUND_DDP_TRACE_EVERY, DEFAULT_DDP_TRACE_EVERY, env=env, minimum=1)
+    return env_int(TRACEHOUND_DDP_TRACE_EVERY, DEFAULT_DDP_TRACE_EVERY, env=env, minimum=0)
 
 
 def _send_s(env: Mapping[str, str]) -> float:

@@ -26,10 +26,10 @@ group and its backends), so DDP's gradient all-reduces, which bypass `dist.all_r
 recorded as all_reduce calls of the real group, whatever comm hook the user registers (a Python
 hook that calls `dist.all_reduce` is recorded by that wrapper instead). DDP keeps its own
 gradient division and hook-less path; a bucket's completion is seen without a callback on the
-work (`_Reducer.settle`). Asked to route them one training step in N (`every`), it counts the
-steps' DDP traffic from c10d's own sequence counter as well (`_DdpCount`: the group
-`<group>:ddp`, in heartbeats and one event a step), so who waits on whom and who arrives last
-stay visible on every step.
+work (`_Reducer.settle`). Asked to route them one training step in N (`every`), or never
+(`every` 0: DDP's own C++ path on every step), it counts the steps' DDP traffic from c10d's own
+sequence counter (`_DdpCount`: the group `<group>:ddp`, in heartbeats and one event a step), so
+who waits on whom and who arrives last stay visible on every step.
 `install_optimizer` counts training steps with a global optimizer step post-hook.
 
 A wrapper calls the original exactly as given and returns exactly what it returned; a user's
@@ -1145,8 +1145,10 @@ def _unsafe_reason(model: Any) -> str:
 
 def _trace_ddp(model: Any, recorder: Recorder, every: int = 1) -> Any:
     """Give `model`'s reducer a process group that records its all-reduces (the model's own
-    `process_group` stays the real one), one training step in `every` (the first is one);
-    returns the `_Reducer`."""
+    `process_group` stays the real one), one training step in `every` (the first is one), and
+    count its communication on every step when that is not every step (`_DdpCount`); with
+    `every` 0 the reducer keeps DDP's C++ path on every step, counted only. Returns the
+    `_Reducer`."""
     dist: Any = importlib.import_module("torch.distributed")
     inner = model.process_group
     if _installer is not None:
@@ -1155,13 +1157,17 @@ def _trace_ddp(model: Any, recorder: Recorder, every: int = 1) -> Any:
     else:
         name = str(inner.group_name)
     reducer = _Reducer(inner, name, recorder)
-    reducer.group = _reducer_group(dist, reducer)
-    model.reducer._update_process_group(reducer.group)
-    recorder.add_settler(reducer.settle)
-    if every > 1:
-        reducer.every = every
-        reducer.cpp = model.reducer
-        recorder.add_step_hook(reducer.stepped)
+    if every != 0:
+        reducer.group = _reducer_group(dist, reducer)
+        model.reducer._update_process_group(reducer.group)
+        recorder.add_settler(reducer.settle)
+    else:
+        reducer.routed = False
+    if every != 1:
+        if every > 1:
+            reducer.every = every
+            reducer.cpp = model.reducer
+            recorder.add_step_hook(reducer.stepped)
         try:
             _count_ddp(model, recorder, name)
         except Exception as exc:
@@ -1170,8 +1176,8 @@ def _trace_ddp(model: Any, recorder: Recorder, every: int = 1) -> Any:
 
 
 def install_ddp(recorder: Recorder, every: int = 1) -> bool:
-    """Trace the gradient all-reduces of each new DDP model, one training step in `every` (see
-    `_trace_ddp`)."""
+    """Trace the gradient all-reduces of each new DDP model, one training step in `every`, 0:
+    counted only (see `_trace_ddp`)."""
     ddp_module: Any = importlib.import_module("torch.nn.parallel.distributed")
 
     ddp = ddp_module.DistributedDataParallel

@@ -102,8 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world = started
 
-    def ddp(module: nn.Module) -> DistributedDataParallel:
-        return DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb)
+    def ddp(module: nn.Module, group: Any = None) -> DistributedDataParallel:
+        return DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb,
+                                       process_group=group)
+
+    # the models all-reduce on process groups of their own (same ranks): where DDP's traffic
+    # is counted rather than recorded (TRACEHOUND_DDP_TRACE_EVERY), the traced model's group
+    # then counts its own steps only, as in a job with one model
+    everyone = list(range(world))
+    hook_group, plain_group = dist.new_group(everyone), dist.new_group(everyone)
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -113,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         traced = ddp(net(args.width, args.layers))
     with hooks.untraced_ddp():
-        hooked = ddp(net(args.width, args.layers))
-        hooked.register_comm_hook(None, default_hooks.allreduce_hook)
-        plain = ddp(net(args.width, args.layers))
+        hooked = ddp(net(args.width, args.layers), hook_group)
+        hooked.register_comm_hook(hook_group, default_hooks.allreduce_hook)
+        plain = ddp(net(args.width, args.layers), plain_group)
     if (getattr(traced, "_tracehound_reducer", None) is None) != args.control:
         print("overhead_job: the traced model's all-reduces are not traced",
               file=sys.stderr, flush=True)

@@ -95,9 +95,24 @@ def test_buckets_are_recorded_one_step_in_n_and_training_is_unchanged() -> None:
     assert one_in_three["losses"] == pytest.approx(every_step["losses"], rel=1e-6)
 
 
+def test_with_zero_no_bucket_is_recorded_and_every_step_is_counted() -> None:
+    every_step = run_child(1, 6)
+    never = run_child(0, 6)
+    assert never["errors"] == 0
+    # DDP's C++ path on every step, the first too: nothing recorded bucket by bucket
+    assert never["per_step"] == [0] * 6 and never["seqs"] == []
+    # each step one `ddp_comm` of `0:ddp`, its id rising by the step's buckets
+    assert len(never["counted"]) == 6
+    # (from the third step on: DDP rebuilds its buckets after the first)
+    steps = [b - a for a, b in zip(never["counted"][1:], never["counted"][2:], strict=False)]
+    assert steps == [every_step["per_step"][3]] * 4, (never, every_step)
+    assert never["losses"] == pytest.approx(every_step["losses"], rel=1e-6)
+
+
 def test_a_bad_trace_every_is_refused_naming_the_variable(tmp_path: Path) -> None:
-    for bad in ("0", "often"):
+    for bad in ("-1", "often"):
         with pytest.raises(SettingError, match="TRACEHOUND_DDP_TRACE_EVERY"):
             autoinstall._ddp_trace_every({"TRACEHOUND_DDP_TRACE_EVERY": bad})
     assert autoinstall._ddp_trace_every({}) == 1
     assert autoinstall._ddp_trace_every({"TRACEHOUND_DDP_TRACE_EVERY": "16"}) == 16
+    assert autoinstall._ddp_trace_every({"TRACEHOUND_DDP_TRACE_EVERY": "0"}) == 0
