@@ -372,10 +372,16 @@ class _WaitsFor:
     A rank inside collective `seq` of `group` waits on every member of the group whose highest
     entered sequence id is below `seq` (members that never reported count as 0), and on every
     frozen member, entered or not: a frozen process completes nothing. Frozen ranks themselves
-    wait on nobody."""
+    wait on nobody.
+
+    Except a member that entered `seq` and is frozen by its silence alone (`silent`: no process
+    state shows it stopped or gone) while a member that reports has not entered it: the
+    collective waits on that one first, and on a loaded machine a healthy rank's heartbeats can
+    fall silent for seconds. Its silence stays a fact; it is not made a culprit for it."""
 
     def __init__(self, beats: Mapping[int, Heartbeat], exited: set[int],
-                 members: Mapping[str, frozenset[int]], frozen: frozenset[int]) -> None:
+                 members: Mapping[str, frozenset[int]], frozen: frozenset[int],
+                 silent: frozenset[int] = frozenset()) -> None:
         self.reached: dict[tuple[int, str], int] = {}
         self.pending: dict[int, list[tuple[str, int]]] = {}
         for rank, hb in beats.items():
@@ -385,6 +391,7 @@ class _WaitsFor:
                     self.pending.setdefault(rank, []).append((g.group, g.last_enqueued))
         self._members = members
         self._frozen = frozen
+        self._silent = silent
         self._lag: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def entered(self, rank: int, group: str) -> int:
@@ -394,9 +401,12 @@ class _WaitsFor:
         key = (group, seq)
         found = self._lag.get(key)
         if found is None:
+            members = self._members.get(group, ())
+            behind = {m for m in members if self.reached.get((m, group), 0) < seq}
+            awaited = any(m not in self._frozen for m in behind)
             found = tuple(
-                m for m in self._members.get(group, ())
-                if self.reached.get((m, group), 0) < seq or m in self._frozen
+                m for m in members
+                if m in behind or (m in self._frozen and not (awaited and m in self._silent))
             )
             self._lag[key] = found
         return found
@@ -501,7 +511,8 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     # only those past the hang threshold: a rank that entered the stalled collective's
     # predecessor a moment later than its peers waits there too, and the chain must run
     # through it to the root.
-    graph = _WaitsFor(beats, exited, members, frozen)
+    silent_only = frozenset(r for r in silent if lives[r].strength[0] == 1)
+    graph = _WaitsFor(beats, exited, members, frozen, silent_only)
     roots, acyclic = graph.roots(w.rank for w in stalled)
 
     stalled_groups: dict[str, int] = {}

@@ -6,7 +6,9 @@ collectives on some ranks (checkpoint writes, evaluation, compilation, data load
 
 - *frozen*: its process is stopped (state `T`, e.g. SIGSTOP) or gone, or its heartbeats have
   stopped and nothing shows that the process still runs. Frozen ranks cannot complete anything,
-  so a frozen member blocks every collective of its groups, entered or not.
+  so a frozen member blocks every collective of its groups, entered or not (but one frozen by
+  its silence alone, inside a collective that still waits for a member that reports, is not
+  what that collective waits on: `analysis.detect`).
 - *stuck*: it reports, and it has been inside one operation for `hang_after_s` (on its own clock)
   that does not complete.
 - *busy*: it is alive and outside every collective (or just passing through short ones). Its

@@ -127,6 +127,29 @@ def test_a_stack_from_before_the_peers_began_to_wait_does_not_place_a_stall() ->
     assert any(e.fact is Fact.STACK and e.rank == 2 for e in placed.evidence)
 
 
+def test_ranks_gone_silent_inside_the_collective_do_not_outrank_the_one_it_waits_for() -> None:
+    # Rank 1 left all_reduce #40 8 s ago and computes outside collectives, reporting; 0, 2 and 3
+    # entered #41, and the heartbeats of 2 and 3 stopped 4 s ago (a loaded machine: no process
+    # sample since). The collective waits on rank 1 first: a stall of rank 1, not a hang of the
+    # silent ones (a CI run of a real job under double load blamed them and restarted).
+    entered = NOW - 7 * S
+    beats = [beat(1, NOW - S // 5, progress("0", 40, 40, enq_us=NOW - 8 * S)),
+             beat(0, NOW - S // 5, progress("0", 41, 40, enq_us=entered))]
+    beats += [beat(r, NOW - 4 * S, progress("0", 41, 40, enq_us=entered)) for r in (2, 3)]
+    snap = replace(snapshot(NOW, 4, beats), processes=(proc(1, "R", NOW - S, cpu_rate=0.9),))
+    verdict = detect_hang(snap, SETTINGS)
+    assert verdict is not None
+    assert (verdict.kind, verdict.culprit_ranks) == (IncidentKind.STALL, (1,))
+    # once rank 1 has entered too, nothing but their silence is left: a hang of 2 and 3
+    arrived = [beat(1, NOW - S // 5, progress("0", 41, 40, enq_us=NOW - 6 * S)), *beats[1:]]
+    hung = detect_hang(snapshot(NOW, 4, arrived), SETTINGS)
+    assert hung is not None
+    assert (hung.kind, sorted(hung.culprit_ranks)) == (IncidentKind.HANG, [2, 3])
+    # a process state that shows one of them stopped makes it a culprit whoever lags
+    stopped = detect_hang(replace(snap, processes=(proc(2, "T", NOW - S),)), SETTINGS)
+    assert stopped is not None and 2 in stopped.culprit_ranks
+
+
 def test_a_busy_rank_past_the_grace_is_a_hang_that_does_not_implicate_the_machine() -> None:
     # A user-code deadlock outside collectives: alive, reporting, never back.
     beats = [beat(0, NOW - S // 5, progress("0", 40, 40, enq_us=NOW - 700 * S))]
