@@ -28,3 +28,12 @@ def run_and_list(tmp_path: Path, job: str, run_args: list[str]
         capture_output=True, text=True, timeout=120, check=True,
     )
     return outcome, json.loads(listed.stdout)
+
+
+def beside_observed_stragglers(incidents: list[Any]) -> list[Any]:
+    """The incidents but stragglers that were only watched, which four ranks sharing two cores
+    here may show around a fault or in a restarted attempt (CI runs: a rank at 1.15x its
+    peers; rank 0 at 1.29x over the last 0.26 s of a resumed attempt). A straggler acted on
+    stays in, and fails the comparison it is part of."""
+    return [i for i in incidents if not (
+        i["kind"] == "straggler" and [a["kind"] for a in i["actions"]] == ["observe"])]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from run_harness import run_and_list
+from run_harness import beside_observed_stragglers, run_and_list
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +24,6 @@ def run_job(tmp_path: Path, job: str, *script_args: str,
         training_script(),
         "--checkpoint-every", "25", "--pg-timeout-s", "300", *script_args,
     ])
-
-
-def beside_observed_stragglers(incidents: list[Any]) -> list[Any]:
-    """The incidents but stragglers that were only watched, which four ranks sharing two cores
-    here may show around a fault or in a restarted attempt (a CI run: a rank at 1.15x its
-    peers). A straggler acted on stays in, and fails the comparison it is part of."""
-    return [i for i in incidents if not (
-        i["kind"] == "straggler" and [a["kind"] for a in i["actions"]] == ["observe"])]
 
 
 @pytest.mark.parametrize("every", ["1", "16"])
