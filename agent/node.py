@@ -619,7 +619,16 @@ def _seconds(text: str) -> float:
 
 def run_agent(args: argparse.Namespace) -> int:
     """Run a node agent with `args` (from `parse_args` or `tracehound agent`) until SIGTERM or
-    SIGINT; 0 after a clean stop, 2 when a source or sink cannot be used."""
+    SIGINT; 0 after a clean stop, 2 when a source or sink cannot be used. A stop asked for
+    while it is still setting up (opening a store can take seconds) is a clean stop too: the
+    agent starts, ships what its spool holds and ends."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     ranks = LocalRanks(job=args.job)
     try:
         sink = make_sink(args.sink)
@@ -654,13 +663,6 @@ def run_agent(args: argparse.Namespace) -> int:
     if telemetry is not None:
         agent.shipper.sink = telemetry.timed_sink(agent.shipper.sink)
         agent.log.info("exporting the agent's own metrics over OTLP")
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     agent.start()
     while not stop.wait(1.0):
         pass

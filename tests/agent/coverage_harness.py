@@ -125,6 +125,11 @@ class Run:
         return next(f for f in self.facts[rank] if f["kind"] == kind)
 
 
+def last_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
 def run_scenario(
     scenario: str, world: int, tmp_path: Path, *, heartbeat_s: float = 0.1,
     env: dict[str, str] | None = None, timeout: float = 180.0,
@@ -147,8 +152,13 @@ def run_scenario(
             ))
         done = collect(procs, timeout)
         outputs = [output for _, output in done]
-        for rank, (code, output) in enumerate(done):
-            assert code == 0, f"rank {rank}:\n{output}"
+        failed = [(rank, code, output) for rank, (code, output) in enumerate(done) if code]
+        # the first line names every failed rank and its last words (the short summary of a
+        # run shows that line only; one rank's crash makes its peers fail after it)
+        assert not failed, "; ".join(
+            f"rank {rank} exit {code}: {last_line(output)}" for rank, code, output in failed
+        ) + "".join(f"\n--- rank {rank}:\n{output}" for rank, _, output in failed)
+        for _, output in done:
             assert "tracehound recorder error" not in output, output
             assert "tracehound could not patch" not in output, output
         collector.drain()

@@ -208,6 +208,11 @@ def test_flood_survives_the_agent_being_killed_mid_run(tmp_path: Path) -> None:
         os.unlink(socket_path)
         again = start_node_agent(job="flood", node="node-0", socket_path=socket_path,
                                  spool=spool, sink=ingest.url, stats_file=stats)
+        deadline = time.monotonic() + 60
+        while not socket_path.exists():  # it listens: set up, its spool open
+            assert again.poll() is None, f"the new agent exited with {again.returncode}"
+            assert time.monotonic() < deadline, "the new agent did not start"
+            time.sleep(0.05)
         time.sleep(1.0)
         assert stop(again) == 0
         received = collectives(ingest.received)
