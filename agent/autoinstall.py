@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracehound.tracing.settings import (
     DEFAULT_BUFFER_RECORDS,
+    DEFAULT_DDP_SPAN_S,
     DEFAULT_DDP_TRACE_EVERY,
     DEFAULT_HEARTBEAT_S,
     DEFAULT_INFLIGHT_S,
@@ -37,6 +38,7 @@ from tracehound.tracing.settings import (
     MIN_SEND_S,
     TRACEHOUND_AGENT_SOCKET,
     TRACEHOUND_BUFFER_RECORDS,
+    TRACEHOUND_DDP_SPAN_S,
     TRACEHOUND_DDP_TRACE_EVERY,
     TRACEHOUND_DISABLE,
     TRACEHOUND_EXIT_FILE,
@@ -78,7 +80,7 @@ def _patch_ddp() -> None:
     from tracehound.agent import hooks
 
     if _recorder is not None and _env is not None:
-        hooks.install_ddp(_recorder, every=_ddp_trace_every(_env))
+        hooks.install_ddp(_recorder, every=_ddp_trace_every(_env), span_s=_ddp_span_s(_env))
 
 
 def _patch_optimizer() -> None:
@@ -119,6 +121,11 @@ def _heartbeat_s(env: Mapping[str, str]) -> float:
 def _ddp_trace_every(env: Mapping[str, str]) -> int:
     """TRACEHOUND_DDP_TRACE_EVERY of `env`, checked (SettingError)."""
     return env_int(TRACEHOUND_DDP_TRACE_EVERY, DEFAULT_DDP_TRACE_EVERY, env=env, minimum=0)
+
+
+def _ddp_span_s(env: Mapping[str, str]) -> float:
+    """TRACEHOUND_DDP_SPAN_S of `env`, checked (SettingError)."""
+    return env_float(TRACEHOUND_DDP_SPAN_S, DEFAULT_DDP_SPAN_S, env=env, minimum=0.0)
 
 
 def _send_s(env: Mapping[str, str]) -> float:
@@ -272,6 +279,7 @@ def install(env: dict[str, str] | None = None) -> bool:
     _inflight_s(source)
     _send_s(source)
     _ddp_trace_every(source)
+    _ddp_span_s(source)
     _env = source
     sys.meta_path.insert(0, PostImportFinder())
     for name in PATCHES:

@@ -895,10 +895,11 @@ class _DdpCount:
     on the GPU counts as completed there. Calls that bypass the wrappers (a process group's own
     methods) count as DDP's."""
 
-    __slots__ = ("__weakref__", "base", "busy", "count", "forward_us", "groups", "name",
-                 "outside", "recorded", "recorder")
+    __slots__ = ("__weakref__", "base", "busy", "count", "forward_us", "groups", "mark",
+                 "name", "outside", "recorded", "recorder", "shift", "span_us")
 
-    def __init__(self, recorder: Recorder, name: str, count: Callable[[], int]) -> None:
+    def __init__(self, recorder: Recorder, name: str, count: Callable[[], int],
+                 span_s: float = 0.0) -> None:
         self.recorder = recorder
         self.name = name
         """The reported group: `<group>:ddp`."""
@@ -913,7 +914,13 @@ class _DdpCount:
         self.forward_us = 0
         """When the last forward of this step ended; 0 before one did."""
         self.recorded = 0
-        """The seq of the last step recorded."""
+        """The seq of the last step counted (recorded or not)."""
+        self.span_us = int(span_s * 1e6)
+        """Steps are recorded no closer than this, on average (0: every step)."""
+        self.shift = 0
+        """A step is recorded when its seq crosses a multiple of 2**shift (`done`)."""
+        self.mark = (0, 0)
+        """(time, seq) of the last step recorded, for `_pace`."""
 
     def attach(self, group: Any) -> None:
         """Have the wrappers read the counter around the calls recorded in `group`."""
@@ -975,9 +982,38 @@ class _DdpCount:
         recorder = self.recorder
         recorder.counted(self.name, "ddp_comm", n, n)
         since, self.forward_us = self.forward_us, 0
-        if since and n > self.recorded:
+        last = self.recorded
+        if since and n > last:
             self.recorded = n
+            shift = self.shift
+            if n >> shift <= last >> shift:
+                # not one to record at the pace last seen; unless the pace fell (a slowed
+                # step, a pause): then at the pace since the last recorded step
+                if not self.span_us or since - self.mark[0] <= 2 * self.span_us:
+                    return
+                shift = self.shift = self._pace(since, n)
+                if n >> shift <= last >> shift:
+                    return
             recorder.record_span(self.name, n, "ddp_comm", since)
+            if self.span_us:
+                self.shift = self._pace(since, n)
+                self.mark = (since, n)
+
+    def _pace(self, now_us: int, n: int) -> int:
+        """The shift for a step whose forward ended at `now_us`, seq `n`: the least power of two
+        at least the ops the group issues in `span_us` at the pace since the last recorded step.
+        A step is recorded when its seq crosses a multiple of that power: the seqs are the same
+        on every rank, and a multiple of a larger power is one of every smaller, so ranks that
+        judge the pace a little apart still record the same steps at the larger one."""
+        then, seq = self.mark
+        if not then or now_us <= then:
+            return self.shift
+        wanted = -(-(n - seq) * self.span_us // (now_us - then))
+        return min(max(wanted - 1, 0).bit_length(), _MAX_SPAN_SHIFT)
+
+
+_MAX_SPAN_SHIFT = 16
+"""A counted group records at least a step in 65536 of its ops."""
 
 
 def _no_count() -> int:
@@ -1007,7 +1043,8 @@ _ddp_counts: dict[str, _DdpCount] = {}
 """The `_DdpCount` of each process group (by name) that a DDP model traced one step in N uses."""
 
 
-def _count_ddp(model: Any, recorder: Recorder, name: str) -> _DdpCount | None:
+def _count_ddp(model: Any, recorder: Recorder, name: str,
+               span_s: float = 0.0) -> _DdpCount | None:
     """The `_DdpCount` of `model`'s process group, made and announced with its first model;
     None (logged) where c10d cannot tell the group's sequence counter."""
     inner = model.process_group
@@ -1021,7 +1058,7 @@ def _count_ddp(model: Any, recorder: Recorder, name: str) -> _DdpCount | None:
         global _compiling
         _compiling = getattr(importlib.import_module("torch.compiler"), "is_compiling", _never)
         dist: Any = importlib.import_module("torch.distributed")
-        count = _DdpCount(recorder, f"{name}:ddp", read)
+        count = _DdpCount(recorder, f"{name}:ddp", read, span_s)
         ranks = tuple(int(r) for r in dist.get_process_group_ranks(inner))
         recorder.group_created(count.name, ranks, "ddp")
         recorder.add_watcher(count.seen)
@@ -1143,7 +1180,7 @@ def _unsafe_reason(model: Any) -> str:
     return ""
 
 
-def _trace_ddp(model: Any, recorder: Recorder, every: int = 1) -> Any:
+def _trace_ddp(model: Any, recorder: Recorder, every: int = 1, span_s: float = 0.0) -> Any:
     """Give `model`'s reducer a process group that records its all-reduces (the model's own
     `process_group` stays the real one), one training step in `every` (the first is one), and
     count its communication on every step when that is not every step (`_DdpCount`); with
@@ -1169,15 +1206,16 @@ def _trace_ddp(model: Any, recorder: Recorder, every: int = 1) -> Any:
             reducer.cpp = model.reducer
             recorder.add_step_hook(reducer.stepped)
         try:
-            _count_ddp(model, recorder, name)
+            _count_ddp(model, recorder, name, span_s)
         except Exception as exc:
             recorder.note_error("DDP count", exc)
     return reducer
 
 
-def install_ddp(recorder: Recorder, every: int = 1) -> bool:
+def install_ddp(recorder: Recorder, every: int = 1, span_s: float = 0.0) -> bool:
     """Trace the gradient all-reduces of each new DDP model, one training step in `every`, 0:
-    counted only (see `_trace_ddp`)."""
+    counted only (see `_trace_ddp`); the counted steps recorded about one per `span_s` seconds
+    (0: each one; `_DdpCount`)."""
     ddp_module: Any = importlib.import_module("torch.nn.parallel.distributed")
 
     ddp = ddp_module.DistributedDataParallel
@@ -1196,7 +1234,7 @@ def install_ddp(recorder: Recorder, every: int = 1) -> bool:
                 log.info("tracehound leaves this DDP model's gradient all-reduce untraced: %s",
                          reason)
                 return
-            self._tracehound_reducer = _trace_ddp(self, recorder, every)
+            self._tracehound_reducer = _trace_ddp(self, recorder, every, span_s)
             ddp_stats.hooked += 1
         except Exception as exc:
             ddp_stats.skipped += 1

@@ -153,6 +153,7 @@ def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool
         "--block-steps", str(args.block_steps), "--width", str(args.width),
         "--batch", str(args.batch), "--layers", str(args.layers),
         "--bucket-cap-mb", str(args.bucket_cap_mb), *(["--control"] if control else []),
+        *(["--step-times"] if args.step_times else []),
     ]
     out, err = instrumented(script, job="overhead", ranks=args.nnodes * args.nproc_per_node,
                             workdir=workdir, env=job_env(), timeout_s=1800)
@@ -165,6 +166,11 @@ def interleaved_run(args: argparse.Namespace, workdir: Path, *, control: bool
         times = {kind: statistics.mean(r[i][kind][0] for r in ranks) for kind in KINDS}
         times.update({f"cpu_{kind}": statistics.mean(r[i][kind][1] for r in ranks)
                       for kind in KINDS})
+        if args.step_times:
+            # each step's time, the mean over the ranks (they step together)
+            times.update({f"steps_{kind}": [statistics.mean(col) for col in
+                                            zip(*(r[i][kind][2] for r in ranks), strict=True)]
+                          for kind in KINDS})
         rounds.append(times)
     return rounds
 
@@ -221,7 +227,30 @@ def interleaved(args: argparse.Namespace) -> dict[str, Any]:
         "ranks": args.nnodes * args.nproc_per_node,
         "launcher": "instrument",
     })
+    if args.step_times:
+        result["steps"] = step_spread(every)
     return result
+
+
+def step_spread(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """From each step's time (--step-times): whether the traced model's extra time is in every
+    step or in a few slow ones. Per kind, the quantiles of all its steps; traced / plain of the
+    median step (`median_ratio`: a cost every step pays) and of the mean (`mean_ratio`: with
+    the slow steps), each the median over the rounds."""
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        steps = sorted(x for r in rounds for x in r[f"steps_{kind}"])
+        q = statistics.quantiles(steps, n=100, method="inclusive")
+        out[f"{kind}_us"] = {"p10": round(q[9]), "p50": round(q[49]), "p90": round(q[89]),
+                             "p99": round(q[98]), "mean": round(statistics.mean(steps))}
+    for kind in ("traced", "hook"):
+        medians = [statistics.median(r[f"steps_{kind}"]) / statistics.median(r["steps_plain"])
+                   for r in rounds]
+        means = [statistics.mean(r[f"steps_{kind}"]) / statistics.mean(r["steps_plain"])
+                 for r in rounds]
+        out[f"{kind}_median_ratio"] = spread(medians)
+        out[f"{kind}_mean_ratio"] = spread(means)
+    return out
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float]:
@@ -494,6 +523,9 @@ def main() -> int:
                              "a round's ratio scatters by several percent on a shared machine)")
     parser.add_argument("--block-steps", type=int, default=120,
                         help="steps per block (default 120, about 1 s)")
+    parser.add_argument("--step-times", action="store_true",
+                        help="also time every step: `steps` in the output tells a cost every "
+                             "step pays from one in a few slow steps")
     parser.add_argument("--control", action="store_true",
                         help="first a run with the traced model untraced too: the noise floor")
     parser.add_argument("--separate-jobs", type=int, default=0, metavar="N",

@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="hidden Linear+ReLU layers of width --width before the output one")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                         help="DDP's bucket_cap_mb (25 is DDP's own default)")
+    parser.add_argument("--step-times", action="store_true",
+                        help="also report each step's wall time")
     parser.add_argument("--control", action="store_true",
                         help="the `traced` model untraced too (the noise floor)")
     return parser.parse_args(argv)
@@ -136,20 +138,30 @@ def main(argv: list[str] | None = None) -> int:
     x, y = batch(rank, args.width, args.batch)
     loss_fn = nn.MSELoss()
 
-    def block(kind: str, steps: int) -> tuple[float, float]:
-        """(wall s, CPU s of this process) of `steps` steps of model `kind`."""
+    def block(kind: str, steps: int) -> tuple[Any, ...]:
+        """(wall s, CPU s of this process) of `steps` steps of model `kind`, and with
+        --step-times each step's wall time in us."""
         model, optimizer = models[kind], optimizer_of[kind]
         start, cpu = time.perf_counter(), time.process_time()
+        if not args.step_times:
+            for _ in range(steps):
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+            return time.perf_counter() - start, time.process_time() - cpu
+        marks = [start]
         for _ in range(steps):
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
             optimizer.step()
-        return time.perf_counter() - start, time.process_time() - cpu
+            marks.append(time.perf_counter())
+        wall, cpu = marks[-1] - start, time.process_time() - cpu
+        return wall, cpu, [round((b - a) * 1e6) for a, b in zip(marks, marks[1:], strict=False)]
 
     for kind in models:
         block(kind, args.warmup_steps)
     orders = list(itertools.permutations(models))
-    rounds: list[dict[str, tuple[float, float]]] = []
+    rounds: list[dict[str, tuple[Any, ...]]] = []
     for i in range(args.rounds):
         rounds.append({kind: block(kind, args.block_steps) for kind in orders[i % len(orders)]})
     gathered: list[Any] = [None] * world

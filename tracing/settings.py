@@ -87,6 +87,19 @@ buckets a step, and with 0 no call from DDP's backward pass enters Python."""
 
 DEFAULT_DDP_TRACE_EVERY = 1
 
+TRACEHOUND_DDP_SPAN_S = "TRACEHOUND_DDP_SPAN_S"
+"""Where DDP's communication is counted (TRACEHOUND_DDP_TRACE_EVERY other than 1), record its
+`ddp_comm` steps about one per this many seconds (default DEFAULT_DDP_SPAN_S, at least 0; 0:
+every step). The steps recorded are the same on every rank (a step is recorded when the group's
+sequence id crosses a multiple of a power of two fitted to the pace), and every step is still
+counted in the heartbeats. A fast step of a small model is cheaper than the record of it: each
+record crosses the rank's sender thread, the node agent and the store, which share the training
+processes' cores on a small machine."""
+
+DEFAULT_DDP_SPAN_S = 0.05
+"""At most about 20 recorded steps a second per rank: the straggler analysis compares arrivals
+over windows of seconds, so it has dozens of steps in each."""
+
 TRACEHOUND_BUFFER_RECORDS = "TRACEHOUND_BUFFER_RECORDS"
 """Records a rank buffers for its node agent before it drops (and counts) new ones (default
 DEFAULT_BUFFER_RECORDS, at least MIN_BUFFER_RECORDS)."""

@@ -141,6 +141,27 @@ def ddp_counted(rank: int, world: int) -> None:
     time.sleep(0.3)  # a heartbeat after the last step
 
 
+def ddp_paced(rank: int, world: int) -> None:
+    """Run counted only (TRACEHOUND_DDP_TRACE_EVERY=0) with the default span: 300 fast steps of
+    a small model, then 12 slow ones (80 ms outside collectives on every rank). Prints the
+    steps' seqs as c10d counts them (`ddp_comm` of the steps the recorder wrote must be among
+    them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 32)
+    for step in range(312):
+        if step >= 300:
+            time.sleep(0.08)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    fact(kind="steps", n=312)
+    time.sleep(0.3)  # a heartbeat after the last step
+
+
 def fsdp2(rank: int, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -355,7 +376,7 @@ def inflight(rank: int, world: int) -> None:
 
 SCENARIOS = {
     "ddp": ddp, "ddp_hooks": ddp_hooks, "ddp_untraced": ddp_untraced,
-    "ddp_counted": ddp_counted, "fsdp2": fsdp2,
+    "ddp_counted": ddp_counted, "ddp_paced": ddp_paced, "fsdp2": fsdp2,
     "pipeline": pipeline, "subgroups": subgroups, "alltoall": alltoall, "objects": objects,
     "async": async_ops, "inflight": inflight,
 }

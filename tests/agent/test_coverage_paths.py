@@ -55,13 +55,15 @@ def test_ddp_with_comm_hooks_is_recorded_once_per_bucket(tmp_path: Path) -> None
 
 
 def test_ddp_steps_left_unrecorded_are_counted_and_show_who_lags(tmp_path: Path) -> None:
-    """With TRACEHOUND_DDP_TRACE_EVERY=4 DDP's own communication is counted in the group
+    """With TRACEHOUND_DDP_TRACE_EVERY=4 (and every counted step recorded,
+    TRACEHOUND_DDP_SPAN_S=0) DDP's own communication is counted in the group
     `0:ddp` (hooks._DdpCount) on every step: the same count on every rank in spite of the
     program's own calls on DDP's group (an object collective, uneven point-to-point). In
     heartbeats, while the last rank is busy outside collectives, the others are inside the
     group's next op and the busy rank behind, not inside; each step is one recorded `ddp_comm`
     from its forward's end, with the same ids on every rank."""
-    run = run_scenario("ddp_counted", 3, tmp_path, env={"TRACEHOUND_DDP_TRACE_EVERY": "4"})
+    run = run_scenario("ddp_counted", 3, tmp_path, env={"TRACEHOUND_DDP_TRACE_EVERY": "4",
+                                                        "TRACEHOUND_DDP_SPAN_S": "0"})
     assert group_ranks(run)["0:ddp"] == (0, 1, 2)
     assert_same_calls(run)
     steps = [(r, e.seq, e.enqueue_us, e.complete_us) for r in (0, 1, 2) for e in run.events
@@ -100,6 +102,34 @@ def test_ddp_steps_left_unrecorded_are_counted_and_show_who_lags(tmp_path: Path)
         assert waiting, counted[rank]
         assert all(row[2] == "ddp_comm" and behind <= row[1] < row[0] for row in waiting), (
             rank, waiting, behind)
+
+
+def test_fast_counted_steps_are_recorded_about_one_a_span_the_same_on_every_rank(
+        tmp_path: Path) -> None:
+    """Counted only, default TRACEHOUND_DDP_SPAN_S: of 300 fast steps a few dozen are recorded,
+    mostly the same ones on every rank (a rank judging the pace a little apart records the
+    coarser one's steps too), each step still counted in the heartbeats; the slow steps at the
+    end (80 ms, more than a span) are each recorded once the slower pace is seen."""
+    run = run_scenario("ddp_paced", 3, tmp_path, env={"TRACEHOUND_DDP_TRACE_EVERY": "0"})
+    recorded = {r: sorted(e.seq for e in run.events if e.group == "0:ddp" and e.rank == r)
+                for r in (0, 1, 2)}
+    final = max(max(seqs) for seqs in recorded.values())
+    assert all(seqs[-1] == final for seqs in recorded.values()), recorded
+    for seqs in recorded.values():
+        assert seqs == sorted(set(seqs))
+        # the slow steps are each recorded once the pace is seen (within four spans, so by
+        # the sixth of them): consecutive seqs at the end, one apart each
+        tail = seqs[-6:]
+        assert len({b - a for a, b in zip(tail, tail[1:], strict=False)}) == 1, seqs
+        # far fewer than the steps, and more than one a second of the job
+        assert 6 < len(seqs) < 150, seqs
+    common = set.intersection(*(set(seqs) for seqs in recorded.values()))
+    assert all(len(common) >= 0.8 * len(seqs) for seqs in recorded.values()), (common, recorded)
+    last = {hb.rank: max((g.last_enqueued, g.last_completed) for g in hb.groups
+                         if g.group == "0:ddp")
+            for hb in sorted(run.beats, key=lambda hb: hb.time_us)
+            if any(g.group == "0:ddp" for g in hb.groups)}
+    assert last == {0: (final, final), 1: (final, final), 2: (final, final)}, last
 
 
 def test_a_ddp_model_built_untraced_keeps_its_own_all_reduce(tmp_path: Path) -> None:
