@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             marks.append(time.perf_counter())
         wall, cpu = marks[-1] - start, time.process_time() - cpu
-        return wall, cpu, [round((b - a) * 1e6) for a, b in zip(marks, marks[1:], strict=False)]
+        return wall, cpu, [round((b - a) * 1e6) for a, b in itertools.pairwise(marks)]
 
     for kind in models:
         block(kind, args.warmup_steps)

@@ -7,6 +7,7 @@ receive)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,7 @@ def test_fast_counted_steps_are_recorded_about_one_a_span_the_same_on_every_rank
         # the slow steps are each recorded once the pace is seen (within four spans, so by
         # the sixth of them): consecutive seqs at the end, one apart each
         tail = seqs[-6:]
-        assert len({b - a for a, b in zip(tail, tail[1:], strict=False)}) == 1, seqs
+        assert len({b - a for a, b in itertools.pairwise(tail)}) == 1, seqs
         # far fewer than the steps, and more than one a second of the job
         assert 6 < len(seqs) < 150, seqs
     common = set.intersection(*(set(seqs) for seqs in recorded.values()))
