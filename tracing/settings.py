@@ -85,7 +85,7 @@ to wrappers and sends every TRACEHOUND_SEND_S: 1.054; with 0, counted only, 1.04
 model of the bench on a process group of its own, 1.028); it can pay on models of several
 buckets a step, and with 0 no call from DDP's backward pass enters Python."""
 
-DEFAULT_DDP_TRACE_EVERY = 1
+DEFAULT_DDP_TRACE_EVERY = 0
 
 TRACEHOUND_DDP_SPAN_S = "TRACEHOUND_DDP_SPAN_S"
 """Where DDP's communication is counted (TRACEHOUND_DDP_TRACE_EVERY other than 1), record its

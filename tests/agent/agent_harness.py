@@ -142,14 +142,17 @@ def rank_env(
 def run_job(
     *, world: int, args: Sequence[str], job: str, node: str, socket_path: Path | None,
     checkpoint_dir: Path, attempt: int = 0, timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
 ) -> list[tuple[int, str]]:
-    """Run train_ddp.py on `world` ranks; (exit code, output) per rank."""
+    """Run train_ddp.py on `world` ranks, `env` added to each one's environment; (exit code,
+    output) per rank."""
     port = free_port()
     procs = [
         subprocess.Popen(
             [PYTHON, EXAMPLE, *args],
-            env=rank_env(rank=r, world=world, port=port, job=job, attempt=attempt, node=node,
-                         socket_path=socket_path, checkpoint_dir=checkpoint_dir),
+            env={**rank_env(rank=r, world=world, port=port, job=job, attempt=attempt, node=node,
+                            socket_path=socket_path, checkpoint_dir=checkpoint_dir),
+                 **(env or {})},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
         for r in range(world)

@@ -25,7 +25,8 @@ STEPS = 12
 
 
 def run_traced(tmp_path: Path, ingest: CollectingIngest, *, args: list[str], attempt: int = 0,
-               checkpoint_dir: Path | None = None) -> list[tuple[int, str]]:
+               checkpoint_dir: Path | None = None, env: dict[str, str] | None = None,
+               ) -> list[tuple[int, str]]:
     socket_path = tmp_path / "agent.sock"
     agent = start_node_agent(
         job="job-e2e", node="node-0", socket_path=socket_path, spool=tmp_path / "spool",
@@ -34,7 +35,7 @@ def run_traced(tmp_path: Path, ingest: CollectingIngest, *, args: list[str], att
     try:
         results = run_job(
             world=WORLD, args=args, job="job-e2e", node="node-0", socket_path=socket_path,
-            checkpoint_dir=checkpoint_dir or tmp_path / "ckpt", attempt=attempt,
+            checkpoint_dir=checkpoint_dir or tmp_path / "ckpt", attempt=attempt, env=env,
         )
     finally:
         assert stop(agent) == 0
@@ -45,12 +46,19 @@ def run_traced(tmp_path: Path, ingest: CollectingIngest, *, args: list[str], att
 
 
 @pytest.mark.slow
-def test_ddp_job_is_traced_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("every", ["0", "1"])
+def test_ddp_job_is_traced_end_to_end(tmp_path: Path, every: str) -> None:
+    """With TRACEHOUND_DDP_TRACE_EVERY 0 (the default) DDP's gradient all-reduces are counted in
+    the group `0:ddp`; with 1 each bucket is recorded in the group `0`. The script's own loss
+    all-reduce (one float) is recorded in `0` either way."""
     with CollectingIngest() as ingest:
-        run_traced(tmp_path, ingest, args=["--steps", str(STEPS), "--checkpoint-every", "6"])
+        run_traced(tmp_path, ingest, args=["--steps", str(STEPS), "--checkpoint-every", "6"],
+                   env={"TRACEHOUND_DDP_TRACE_EVERY": every})
         received = ingest.received
 
-    events = collectives(received)
+    everything = collectives(received)
+    counted = [e for e in everything if e.group == "0:ddp"]
+    events = [e for e in everything if e.group != "0:ddp"]
     by_rank: dict[int, list[int]] = defaultdict(list)
     ops: dict[tuple[int, int], str] = {}
     for e in events:
@@ -65,15 +73,24 @@ def test_ddp_job_is_traced_end_to_end(tmp_path: Path) -> None:
     # Same program, same sequence: the op at every seq is the same on every rank.
     for seq in range(1, count + 1):
         assert len({ops[(r, seq)] for r in range(WORLD)}) == 1
-    # DDP's gradient all-reduce goes through the recorder's process group: >= 1 per step.
-    grad_reduces = [e for e in events if e.rank == 0 and e.op == "all_reduce"]
-    assert len(grad_reduces) >= STEPS
+    # with 1, DDP's gradient all-reduce goes through the recorder's process group: >= 1 per
+    # step; with 0 only the script's own loss all-reduce (at its log steps) is in `0`
+    reduces = [e for e in events if e.rank == 0 and e.op == "all_reduce"]
+    if every == "1":
+        assert len(reduces) >= STEPS
+        assert counted == []
+    else:
+        assert 1 <= len(reduces) < STEPS and all(e.nbytes == 4 for e in reduces), reduces
+        assert {e.op for e in counted} == {"ddp_comm"}
+        assert {e.rank for e in counted} == set(range(WORLD))
+        assert all(e.complete_us >= e.enqueue_us > 0 for e in counted)
 
     infos = [g for g in groups(received) if g.group == "0"]
     assert sorted(g.rank for g in infos) == list(range(WORLD))
     assert all(g.ranks == tuple(range(WORLD)) and g.backend == "gloo" for g in infos)
 
     beats = heartbeats(received)
+    last_counted: set[int] = set()
     for rank in range(WORLD):
         mine = sorted((b for b in beats if b.rank == rank), key=lambda b: b.time_us)
         steps = [b.step for b in mine]
@@ -83,6 +100,12 @@ def test_ddp_job_is_traced_end_to_end(tmp_path: Path) -> None:
         (progress,) = [g for g in final.groups if g.group == "0"]
         assert progress.last_completed == progress.last_enqueued == count
         assert progress.pending_op == ""
+        if every == "0":  # every step counted, on every rank alike
+            (ddp,) = [g for g in final.groups if g.group == "0:ddp"]
+            assert ddp.last_completed == ddp.last_enqueued >= max(e.seq for e in counted)
+            assert ddp.last_enqueued >= STEPS and ddp.pending_op == ""
+            last_counted.add(ddp.last_enqueued)
+    assert len(last_counted) <= 1
 
     stats = (tmp_path / "stats.json").read_text()
     assert '"pending_segments": 0' in stats

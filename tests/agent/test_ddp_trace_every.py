@@ -113,6 +113,6 @@ def test_a_bad_trace_every_is_refused_naming_the_variable(tmp_path: Path) -> Non
     for bad in ("-1", "often"):
         with pytest.raises(SettingError, match="TRACEHOUND_DDP_TRACE_EVERY"):
             autoinstall._ddp_trace_every({"TRACEHOUND_DDP_TRACE_EVERY": bad})
-    assert autoinstall._ddp_trace_every({}) == 1
+    assert autoinstall._ddp_trace_every({}) == 0
     assert autoinstall._ddp_trace_every({"TRACEHOUND_DDP_TRACE_EVERY": "16"}) == 16
     assert autoinstall._ddp_trace_every({"TRACEHOUND_DDP_TRACE_EVERY": "0"}) == 0
