@@ -39,8 +39,9 @@ def test_ddp_gradient_all_reduces(tmp_path: Path) -> None:
 def test_ddp_with_comm_hooks_is_recorded_once_per_bucket(tmp_path: Path) -> None:
     """A user's Python comm hook is left to run (its dist.all_reduce is what is recorded, once
     per bucket, not again by the reducer's group); DDP's built-in C++ hook all-reduces through
-    the reducer's group and is recorded there."""
-    run = run_scenario("ddp_hooks", 2, tmp_path)
+    the reducer's group and is recorded there (with TRACEHOUND_DDP_TRACE_EVERY=1: by default
+    DDP's own buckets are counted, not recorded)."""
+    run = run_scenario("ddp_hooks", 2, tmp_path, env={"TRACEHOUND_DDP_TRACE_EVERY": "1"})
     ops = ops_of(assert_same_calls(run)["0"])
     python, builtin = [f for f in run.facts[0] if f["kind"] == "ddp_hook"]
     assert python["model"] == "python" and builtin["model"] == "builtin"
@@ -53,6 +54,24 @@ def test_ddp_with_comm_hooks_is_recorded_once_per_bucket(tmp_path: Path) -> None
     assert ops[:hook_calls + 4] == ["all_reduce"] * hook_calls + ["all_gather"] * 4
     assert rest[-2:] == ["all_gather"] * 2
     assert len(rest) >= 4 and set(rest[:-2]) == {"all_reduce"}
+
+
+def test_by_default_a_python_comm_hook_is_recorded_and_ddp_own_buckets_counted(
+        tmp_path: Path) -> None:
+    """Default settings (TRACEHOUND_DDP_TRACE_EVERY=0): the user's Python hook's dist.all_reduce
+    is recorded, once per bucket; the built-in C++ hook's buckets stay on DDP's path, counted in
+    `0:ddp` (the hook's calls are left out of the count)."""
+    run = run_scenario("ddp_hooks", 2, tmp_path)
+    ops = ops_of(assert_same_calls(run)["0"])
+    python, builtin = [f for f in run.facts[0] if f["kind"] == "ddp_hook"]
+    assert python["same_grads"] and builtin["same_grads"]
+    hook_calls = python["hook_calls"]
+    assert hook_calls >= 2
+    assert ops == ["all_reduce"] * hook_calls + ["all_gather"] * 4 + ["all_gather"] * 2
+    # (no optimizer steps, so no step is recorded; the heartbeats count the buckets)
+    counted = {hb.rank: g.last_enqueued for hb in sorted(run.beats, key=lambda hb: hb.time_us)
+               for g in hb.groups if g.group == "0:ddp"}
+    assert counted.keys() == {0, 1} and counted[0] == counted[1] >= 2, counted
 
 
 def test_ddp_steps_left_unrecorded_are_counted_and_show_who_lags(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 import time
@@ -52,6 +53,9 @@ def test_store_outage_mid_job_loses_nothing_and_stores_nothing_twice(tmp_path: P
          str(tmp_path / "work"), "--json", training_script(), "--steps", "700",
          "--step-sleep-ms", "30", "--checkpoint-every", "100"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # every DDP bucket recorded (by default they are counted, a step recorded now and
+        # then): each seq of each group must then be stored, a record a bucket
+        env={**os.environ, "TRACEHOUND_DDP_TRACE_EVERY": "1"},
     )
     try:
         wait_for_step(url, 20, proc)

@@ -121,7 +121,10 @@ def test_agent_killed_and_restarted_mid_job_resumes_its_spool_and_loses_nothing(
     ranks = launch_ranks(
         world=2, command=[PYTHON, TRAIN_DDP, "--steps", str(STEPS), "--step-sleep-ms", "20",
                           "--checkpoint-every", "0"],
-        job=JOB, node=NODE, socket_path=socket_path, checkpoint_dir=tmp_path / "ckpt", logs=logs)
+        job=JOB, node=NODE, socket_path=socket_path, checkpoint_dir=tmp_path / "ckpt", logs=logs,
+        # every DDP bucket a record (by default they are counted, a step recorded now and
+        # then), so every seq of every group must be stored
+        env={"TRACEHOUND_DDP_TRACE_EVERY": "1"})
     second = None
     try:
         deadline = time.monotonic() + 300

@@ -16,6 +16,7 @@ longest backoff (10 s) several times over and leaves a backlog of thousands of r
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -75,6 +76,9 @@ def test_store_down_for_a_minute_loses_nothing_stores_nothing_twice_and_training
          "--no-warm-spares", "--json", training_script(), "--steps", str(STEPS),
          "--step-sleep-ms", str(STEP_SLEEP_MS), "--checkpoint-every", "500"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # every DDP bucket a record (by default they are counted, a step recorded now and
+        # then), so every seq of every group must be stored
+        env={**os.environ, "TRACEHOUND_DDP_TRACE_EVERY": "1"},
     )
     logs = work / JOB / "logs" / "attempt-0"
     try:
