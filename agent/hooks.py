@@ -20,16 +20,18 @@
   new_subgroups_by_enumeration), the `_new_group_with_tag` they and DeviceMesh go through,
   split_group, shrink_group, destroy_process_group.
 
-`install_ddp` hands the C++ reducer of every DistributedDataParallel model a process group of its
-own (`_reducer_group`: a Python subclass of c10d's ProcessGroup that forwards to the model's real
-group and its backends), so DDP's gradient all-reduces, which bypass `dist.all_reduce`, are
-recorded as all_reduce calls of the real group, whatever comm hook the user registers (a Python
-hook that calls `dist.all_reduce` is recorded by that wrapper instead). DDP keeps its own
-gradient division and hook-less path; a bucket's completion is seen without a callback on the
-work (`_Reducer.settle`). Asked to route them one training step in N (`every`), or never
-(`every` 0: DDP's own C++ path on every step), it counts the steps' DDP traffic from c10d's own
-sequence counter (`_DdpCount`: the group `<group>:ddp`, in heartbeats and one event a step), so
-who waits on whom and who arrives last stay visible on every step.
+`install_ddp` watches every DistributedDataParallel model's gradient all-reduces, which bypass
+`dist.all_reduce`. With `every` 0 (what a training process gets by default,
+TRACEHOUND_DDP_TRACE_EVERY) they stay on DDP's own C++ path and are counted from c10d's own
+sequence counter (`_DdpCount`: the group `<group>:ddp`, in heartbeats on every step, and its
+steps recorded about one per TRACEHOUND_DDP_SPAN_S), so who waits on whom and who arrives last
+stay visible without a Python call in the backward pass. With `every` N > 0 the C++ reducer gets,
+one training step in N, a process group of its own (`_reducer_group`: a Python subclass of
+c10d's ProcessGroup that forwards to the model's real group and its backends), so each bucket is
+recorded as an all_reduce call of the real group whatever comm hook the user registers (a
+Python hook that calls `dist.all_reduce` is recorded by that wrapper instead); DDP keeps its own
+gradient division and hook-less path, and a bucket's completion is seen without a callback on
+the work (`_Reducer.settle`). The other steps are counted as with 0.
 `install_optimizer` counts training steps with a global optimizer step post-hook.
 
 A wrapper calls the original exactly as given and returns exactly what it returned; a user's

@@ -381,7 +381,7 @@ class _WaitsFor:
 
     def __init__(self, beats: Mapping[int, Heartbeat], exited: set[int],
                  members: Mapping[str, frozenset[int]], frozen: frozenset[int],
-                 silent: frozenset[int] = frozenset()) -> None:
+                 silent: frozenset[int]) -> None:
         self.reached: dict[tuple[int, str], int] = {}
         self.pending: dict[int, list[tuple[str, int]]] = {}
         for rank, hb in beats.items():

@@ -5,10 +5,16 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
 1. Step time, tracing on and off interleaved inside one job (`step_time_ratio`). A 4-rank gloo DDP
    job (torchrun under `tracehound instrument`: the recorder in every rank, a node agent
    shipping to the embedded store) trains three identical models in blocks of steps, round by
-   round, in rotating order (see bench/overhead_job.py): `traced` (DDP's reducer all-reducing
-   through the recorder's process group, every bucket recorded and shipped), `hook` (torch's own
-   Python `allreduce_hook`, each bucket recorded through the wrapped `dist.all_reduce`) and
-   `plain` (DDP's own C++ all-reduce, nothing recorded). Each round gives one ratio per pair of
+   round, in rotating order (see bench/overhead_job.py): `traced` (as the recorder's settings
+   in force make it: by default DDP's own C++ all-reduce, each step counted and some recorded;
+   with TRACEHOUND_DDP_TRACE_EVERY=1 every bucket routed through the recorder's process group,
+   recorded and shipped), `hook` (torch's own Python `allreduce_hook`, each bucket recorded
+   through the wrapped `dist.all_reduce`) and `plain` (DDP's own C++ all-reduce, nothing
+   recorded). The default model (width 512, four hidden layers, batch 64, 1 MB buckets: four
+   buckets and ~60 ms a step here) is small next to real training steps of 100s of ms;
+   `--width 64 --layers 1 --batch 32 --bucket-cap-mb 25 --block-steps 120` is the worst case
+   (~7 ms steps: the recorder's fixed cost per step weighs most). Each round gives one ratio per
+   pair of
    models (block times averaged over the ranks); a run's ratio is the median of its rounds, and
    `step_time_ratio` (traced / plain) is the median over all rounds of all --runs runs, printed
    with each run's ratio (`run_ratios`, the run-to-run spread) and the rounds' spread.
@@ -16,7 +22,9 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    the same job (the way Tracehound traced DDP before its process group), and
    `traced_vs_python_hook_ratio` (traced / hook) compares the two; `cpu_ratio` compares the
    ranks' CPU time per block (traced / plain). With --control a first run has the traced model
-   untraced too: `control_ratio` is the noise floor. The agent and store run through every block
+   untraced too: `control_ratio` is the noise floor. With --step-times every step is timed:
+   `steps` compares the median step (a cost every step pays) with the mean (slow steps too).
+   The agent and store run through every block
    (their work on a traced block's records can spill into the next one), so this is the cost
    inside the ranks plus what of the agent's falls in the traced blocks.
 
@@ -41,7 +49,7 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    one rank (noisy: the gloo call itself varies by more than the recorder costs). `parts_us`
    breaks the hot path down, each part timed alone.
 
-    python bench/overhead.py [--runs R] [--rounds N] [--block-steps S] [--control]
+    python bench/overhead.py [--runs R] [--rounds N] [--block-steps S] [--control] [--step-times]
                              [--separate-jobs N] [--calls C] [--blocks B]
                              [--skip-job] [--skip-hot-path] [--json]
 
@@ -521,8 +529,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=40,
                         help="rounds per run, one block of each model per round (default 40; "
                              "a round's ratio scatters by several percent on a shared machine)")
-    parser.add_argument("--block-steps", type=int, default=120,
-                        help="steps per block (default 120, about 1 s)")
+    parser.add_argument("--block-steps", type=int, default=25,
+                        help="steps per block (default 25, about 1.5 s of the default model)")
     parser.add_argument("--step-times", action="store_true",
                         help="also time every step: `steps` in the output tells a cost every "
                              "step pays from one in a few slow steps")
@@ -542,15 +550,16 @@ def main() -> int:
                              "node agent shipping to the store, what a training node pays; "
                              "run: under `tracehound run`, whose analysis and embedded store "
                              "share this machine's cores with the ranks")
-    parser.add_argument("--width", type=int, default=64,
-                        help="hidden width of the demo model (default 64: ~6 ms steps, the "
-                             "worst case; 1024 gives steps of tens of ms)")
-    parser.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
-    parser.add_argument("--layers", type=int, default=1,
-                        help="hidden layers of the interleaved job's model (default 1)")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                        help="DDP's bucket_cap_mb in the interleaved job (default 25, DDP's "
-                             "own; 1 with --width 512 gives a bucket per hidden layer)")
+    parser.add_argument("--width", type=int, default=512,
+                        help="hidden width of the model (default 512; 64 with --layers 1 "
+                             "--batch 32 --bucket-cap-mb 25 --block-steps 120 is the worst "
+                             "case: steps of ~7 ms, one bucket)")
+    parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="hidden layers of the interleaved job's model (default 4)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=1.0,
+                        help="DDP's bucket_cap_mb in the interleaved job (default 1: with "
+                             "width 512 a bucket per hidden layer; 25 is DDP's own)")
     parser.add_argument("--step-sleep-ms", type=float, default=0.0,
                         help="extra time per step, as a stand-in for a heavier model")
     parser.add_argument("--calls", type=int, default=20000,

@@ -69,23 +69,21 @@ DEFAULT_INFLIGHT_S = 1.0
 stuck or slow; they show its pending op and oldest sequence id at 100 ms resolution."""
 
 TRACEHOUND_DDP_TRACE_EVERY = "TRACEHOUND_DDP_TRACE_EVERY"
-"""Record a DDP model's gradient all-reduces bucket by bucket one training step in this many
-(default DEFAULT_DDP_TRACE_EVERY: every step), or never (0). On the other steps they stay on
-DDP's C++ path: each recorded bucket costs a rank ~30 us of CPU (the call from DDP's C++ reducer
-into Python), 2-3% of the step of a small CPU model. Other than 1, DDP's communication is
-counted on every step instead (agent/hooks.py `_DdpCount`, the group `<group>:ddp`): heartbeats
-show who is inside it and who lags (the hang detector's dependency), and each step is one
-recorded `ddp_comm` from the end of its forward to the end of the step (who arrives last, and
-the compute between steps: the straggler analysis). With 16 the hang and straggler tests of
-tests/controller/test_run_faults.py pass as with 1 (and with 0, run by hand); but the counting
-(a call at each forward's start and end, one event a step) costs about what one recorded bucket
-does, so on a model of one bucket a step it saves nothing measurable (bench/overhead.py with 16:
-1.044, runs 1.034 and 1.048; every step: 1.030; with 16 again after the forward hooks gave way
-to wrappers and sends every TRACEHOUND_SEND_S: 1.054; with 0, counted only, 1.043 and, each
-model of the bench on a process group of its own, 1.028); it can pay on models of several
-buckets a step, and with 0 no call from DDP's backward pass enters Python."""
+"""Record a DDP model's gradient all-reduces bucket by bucket one training step in this many, or
+never (0, the default DEFAULT_DDP_TRACE_EVERY). Other than 1, DDP's communication is counted on
+every step instead (agent/hooks.py `_DdpCount`, the group `<group>:ddp`): heartbeats show who
+is inside it and who lags (the hang detector's dependency), and its steps are recorded as
+`ddp_comm` operations from the end of a step's forward to the end of the step (who arrives
+last, and the compute between steps: the straggler analysis; how often: TRACEHOUND_DDP_SPAN_S).
+A recorded bucket goes from DDP's C++ reducer through a process group written in Python, and
+that route is costly on CPU ranks: the overhead bench's 4-rank job
+(`python bench/overhead.py --json --step-times`, 60 ms steps of four 1 MB buckets) took a
+median step 1.026-1.032 times plain DDP's with 16, and every step paid it, not just the
+routed ones; with 0, 1.008. The hang and straggler tests of tests/controller/test_run_faults.py
+run with 0 and 1 (and passed with 16 while it was tested)."""
 
 DEFAULT_DDP_TRACE_EVERY = 0
+"""Counted only: nothing from DDP's backward pass enters Python."""
 
 TRACEHOUND_DDP_SPAN_S = "TRACEHOUND_DDP_SPAN_S"
 """Where DDP's communication is counted (TRACEHOUND_DDP_TRACE_EVERY other than 1), record its
