@@ -867,8 +867,8 @@ class _Reducer:
 
 class _DdpCount:
     """DDP's own communication on one process group, for the training steps whose buckets are
-    not recorded one by one (`TRACEHOUND_DDP_TRACE_EVERY` > 1), without a Python call per
-    bucket: the group `<group>:ddp`, op `ddp_comm`.
+    not recorded one by one (`TRACEHOUND_DDP_TRACE_EVERY` other than 1), without a Python call
+    per bucket: the group `<group>:ddp`, op `ddp_comm`.
 
     c10d numbers every backend op of a group alike on every member. Less the ops of the calls
     the wrappers record (read around each of them: they are recorded as themselves) and less
@@ -884,12 +884,14 @@ class _DdpCount:
     issued them are inside the group's next op, and a rank that has not reached them, busy
     outside collectives, lags behind: the dependency the hang detector follows.
 
-    Events: each training step with a forward of the group's models is one completed `ddp_comm`
+    Events: a training step with a forward of the group's models is one completed `ddp_comm`
     whose seq is the count at the step's end, from the end of the step's last forward (DDP has
     prepared its backward pass: what follows is the backward, its buckets and their wait, and
     the optimizer) to the end of the step. So the time from a step's end to the next forward's
     end (data, forward: where a straggler takes longer) is a gap between operations, the peers
-    that wait for it wait inside one, and who arrives last is seen on every step.
+    that wait for it wait inside one, and who arrives last is seen on each recorded step. With
+    `span_us` the steps recorded are about one per span, the same on every rank (`done`,
+    `_pace`); with 0 every one.
 
     Counted by the group's default backend: where DDP's tensors go to another one (a group with
     a CPU and a CUDA backend) the count does not move, no rank is shown inside the group and no
@@ -1042,7 +1044,7 @@ def _read_before(tokens: list[Token | None]) -> dict[int, tuple[_DdpCount, int]]
 
 
 _ddp_counts: dict[str, _DdpCount] = {}
-"""The `_DdpCount` of each process group (by name) that a DDP model traced one step in N uses."""
+"""The `_DdpCount` of each process group (by name) whose DDP models are counted."""
 
 
 def _count_ddp(model: Any, recorder: Recorder, name: str,

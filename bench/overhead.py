@@ -14,8 +14,8 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    buckets and ~60 ms a step here) is small next to real training steps of 100s of ms;
    `--width 64 --layers 1 --batch 32 --bucket-cap-mb 25 --block-steps 120` is the worst case
    (~7 ms steps: the recorder's fixed cost per step weighs most). Each round gives one ratio per
-   pair of
-   models (block times averaged over the ranks); a run's ratio is the median of its rounds, and
+   pair of models (block times averaged over the ranks); a run's ratio is the median of its
+   rounds, and
    `step_time_ratio` (traced / plain) is the median over all rounds of all --runs runs, printed
    with each run's ratio (`run_ratios`, the run-to-run spread) and the rounds' spread.
    `python_hook_ratio` (hook / plain) is what a Python comm hook recording each bucket costs in
@@ -24,8 +24,8 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    ranks' CPU time per block (traced / plain). With --control a first run has the traced model
    untraced too: `control_ratio` is the noise floor. With --step-times every step is timed:
    `steps` compares the median step (a cost every step pays) with the mean (slow steps too).
-   The agent and store run through every block
-   (their work on a traced block's records can spill into the next one), so this is the cost
+   The agent and store run through every block (their work on a traced block's records can
+   spill into the next one), so this is the cost
    inside the ranks plus what of the agent's falls in the traced blocks.
 
    --separate-jobs N adds the whole-system figure: the demo job run again and again, recorder on

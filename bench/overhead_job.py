@@ -143,19 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         --step-times each step's wall time in us."""
         model, optimizer = models[kind], optimizer_of[kind]
         start, cpu = time.perf_counter(), time.process_time()
-        if not args.step_times:
-            for _ in range(steps):
-                optimizer.zero_grad(set_to_none=True)
-                loss_fn(model(x), y).backward()
-                optimizer.step()
-            return time.perf_counter() - start, time.process_time() - cpu
-        marks = [start]
+        marks = [start] if args.step_times else None
         for _ in range(steps):
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
             optimizer.step()
-            marks.append(time.perf_counter())
-        wall, cpu = marks[-1] - start, time.process_time() - cpu
+            if marks is not None:
+                marks.append(time.perf_counter())
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        if marks is None:
+            return wall, cpu
         return wall, cpu, [round((b - a) * 1e6) for a, b in itertools.pairwise(marks)]
 
     for kind in models:

@@ -143,9 +143,7 @@ def ddp_counted(rank: int, world: int) -> None:
 
 def ddp_paced(rank: int, world: int) -> None:
     """Run counted only (TRACEHOUND_DDP_TRACE_EVERY=0) with the default span: 300 fast steps of
-    a small model, then 12 slow ones (80 ms outside collectives on every rank). Prints the
-    steps' seqs as c10d counts them (`ddp_comm` of the steps the recorder wrote must be among
-    them)."""
+    a small model, then 12 slow ones (80 ms outside collectives on every rank)."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -158,7 +156,6 @@ def ddp_paced(rank: int, world: int) -> None:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
-    fact(kind="steps", n=312)
     time.sleep(0.3)  # a heartbeat after the last step
 
 

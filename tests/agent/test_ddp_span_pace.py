@@ -112,6 +112,8 @@ def test_after_a_pause_or_a_slowdown_steps_are_recorded_again_within_a_few_spans
     gaps = [b - a for a, b in zip([last, *slow], slow, strict=False)]
     assert gaps and max(gaps) <= 200_000 and gaps[-5:] == [80_000] * 5, gaps
     assert rank.count.shift == 1
+
+
 def test_a_bad_span_is_refused_naming_the_variable() -> None:
     for bad in ("-0.1", "often"):
         with pytest.raises(SettingError, match="TRACEHOUND_DDP_SPAN_S"):
