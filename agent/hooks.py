@@ -416,7 +416,7 @@ class _Installer:
         wrapped function, `_is_leaf`) only reads the depth guard: nothing it calls could be
         counted twice."""
         recorder = self.recorder
-        begin, end = recorder.begin, recorder.end
+        begin, enter, returned = recorder.begin, recorder.enter, recorder.returned
         groups, dtypes, non_member = self.groups, self.dtypes, self.non_member
         op = spec.op
         group_pos, async_pos, tensor_pos = spec.group_pos, spec.async_pos, spec.tensor_pos
@@ -451,10 +451,12 @@ class _Installer:
                 else:
                     name = groups.name(group)
                 if name:
+                    # a call that returns complete is entered without the lock (`enter`)
+                    start = begin if is_async else enter
                     if tensor is None:
-                        token = begin(name, op, 0, "")
+                        token = start(name, op, 0, "")
                     else:
-                        token = begin(name, op, tensor.nbytes,
+                        token = start(name, op, tensor.nbytes,
                                       dtypes.get(tensor.dtype) or groups.dtype(tensor))
             except Exception as exc:
                 recorder.note_error(op, exc)
@@ -483,7 +485,7 @@ class _Installer:
                     if is_async:
                         self.finish_work(op, token, result, ordered=True)
                     else:
-                        end(token, True)
+                        returned(token)
                 except Exception as exc:
                     recorder.note_error(op, exc)
             return result

@@ -19,6 +19,7 @@ thread.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -101,25 +102,32 @@ class RecordSink(Protocol):
 
 
 class _Group:
-    """Progress of this rank in one process group (mutated under the recorder's lock)."""
+    """Progress of this rank in one process group.
 
-    __slots__ = (
-        "counted", "in_flight", "last", "last_complete_us", "last_completed", "last_enqueue_us",
-        "last_enqueued", "name", "pruned_at",
-    )
+    Calls that may end on another thread (async work, failures, counted progress) update it
+    under the recorder's lock. A synchronous call (`Recorder.enter`/`returned`, the common
+    case) takes no lock: its sequence id comes from `seqs` (one step of a C iterator, atomic
+    under the GIL), its entry is one store of `last` and its return one store of `returned`,
+    a field only the calling thread writes. Readers take the larger of `done` and
+    `returned`."""
+
+    __slots__ = ("counted", "done", "in_flight", "last", "name", "pruned_at", "returned", "seqs")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.last_enqueued = 0
-        self.last_completed = 0
+        self.seqs = itertools.count(1)
+        """`next(seqs)`: the next call's sequence id."""
         self.last: Token | None = None
-        """The token of the latest call entered: while it is pending (last_completed <
-        last_enqueued), its op, size and dtype are what a heartbeat reports as pending. One
-        reference set per call instead of three fields set and cleared."""
-        self.last_enqueue_us = 0
-        self.last_complete_us = 0
-        # calls entered and not yet ended: seq -> their token. Bounded: past the cap newer calls
-        # are not added, so the oldest (what a heartbeat reports) stays right.
+        """The token of the latest call entered (its seq and entry time are `last_enqueued`
+        and `last_enqueue_us`): while it is pending, its op, size and dtype are what a
+        heartbeat reports as pending."""
+        self.done: tuple[int, int] = (0, 0)
+        """(seq, us) of the latest completion seen under the lock: async ends, failures,
+        counted progress."""
+        self.returned: tuple[int, int] = (0, 0)
+        """(seq, us) of the latest synchronous call returned (`Recorder.returned`)."""
+        # async calls entered and not yet ended: seq -> their token. Bounded: past the cap
+        # newer calls are not added, so the oldest (what a heartbeat reports) stays right.
         self.in_flight: dict[int, Token] = {}
         self.pruned_at = 0
         """last_completed when in_flight was last pruned (a full dict is pruned only after it
@@ -129,36 +137,76 @@ class _Group:
         counted rather than recorded call by call (`hooks._DdpCount`): the wrappers let it read
         the group's counter around each call they record. None for almost every group."""
 
-    def oldest(self) -> tuple[int, str, int, str]:
-        """The oldest call in flight after the last completed one, when more than one is:
-        (seq, op, nbytes, dtype), else (0, "", 0, ""). Calls before the last completed one
-        that never ended (a work object dropped unwaited) are left out."""
-        later = [seq for seq in self.in_flight if seq > self.last_completed]
-        if len(later) < 2:
-            return (0, "", 0, "")
-        seq = min(later)
-        _, _, op, nbytes, dtype, _, _ = self.in_flight[seq]
-        return (seq, op, nbytes, dtype)
-
-    def pending(self) -> tuple[str, int, str]:
-        """(op, nbytes, dtype) of the latest call while it is pending, else ("", 0, "")."""
+    @property
+    def last_enqueued(self) -> int:
         last = self.last
-        if last is None or self.last_completed >= self.last_enqueued:
-            return ("", 0, "")
-        return (last[2], last[3], last[4])
+        return 0 if last is None else last[1]
+
+    @property
+    def last_enqueue_us(self) -> int:
+        last = self.last
+        return 0 if last is None else last[6]
+
+    def _completed(self) -> tuple[int, int]:
+        done, returned = self.done, self.returned
+        return done if done[0] >= returned[0] else returned
+
+    @property
+    def last_completed(self) -> int:
+        return self._completed()[0]
+
+    @property
+    def last_complete_us(self) -> int:
+        return self._completed()[1]
+
+    def snapshot(self) -> tuple[int, int, Token | None]:
+        """(last completed seq, its time, latest token entered), read in that order so that a
+        synchronous call entered and returned meanwhile shows as pending rather than as
+        completed before it was entered."""
+        done, done_us = self._completed()
+        return done, done_us, self.last
+
+    def oldest(self, done: int, last: Token | None) -> tuple[int, str, int, str]:
+        """The oldest call in flight after the last completed one (`done`), when more than one
+        is: (seq, op, nbytes, dtype), else (0, "", 0, ""). Calls before the last completed one
+        that never ended (a work object dropped unwaited) are left out. (Under the recorder's
+        lock: async entries change only under it.)"""
+        pending = {seq: entry for seq, entry in self.in_flight.items() if seq > done}
+        if last is not None and last[1] > done:
+            pending.setdefault(last[1], last)  # a synchronous call is in no dict
+        if len(pending) < 2:
+            return (0, "", 0, "")
+        _, seq, op, nbytes, dtype, _, _ = pending[min(pending)]
+        return (seq, op, nbytes, dtype)
 
     def pending_since(self) -> int:
         """When the oldest call in flight after the last completed one was entered (us); 0 when
-        no call is pending."""
-        if self.last_completed >= self.last_enqueued:
+        no call is pending. (Under the recorder's lock.)"""
+        done, _, last = self.snapshot()
+        if last is None or done >= last[1]:
             return 0
-        done = self.last_completed
-        since = 0
+        since = last[6]
         for seq, entry in self.in_flight.items():
-            if seq > done and (not since or entry[6] < since):
+            if seq > done and entry[6] < since:
                 since = entry[6]
-        # past the in-flight cap a pending call may be missing from the dict
-        return since or self.last_enqueue_us
+        return since
+
+    def progress(self) -> GroupProgress:
+        """This group's part of a heartbeat. (Under the recorder's lock.)"""
+        done, done_us, last = self.snapshot()
+        oldest_seq, oldest_op, oldest_nbytes, oldest_dtype = self.oldest(done, last)
+        enqueued, enqueue_us, op, nbytes, dtype = 0, 0, "", 0, ""
+        if last is not None:
+            enqueued, enqueue_us = last[1], last[6]
+            if enqueued > done:  # pending: its op, size and dtype
+                op, nbytes, dtype = last[2], last[3], last[4]
+        return GroupProgress(
+            group=GroupId(self.name), last_enqueued=enqueued, last_completed=done,
+            pending_op=op, last_enqueue_us=enqueue_us, last_complete_us=done_us,
+            pending_nbytes=nbytes, pending_dtype=dtype,
+            oldest_seq=oldest_seq, oldest_op=oldest_op, oldest_nbytes=oldest_nbytes,
+            oldest_dtype=oldest_dtype,
+        )
 
 
 def _with_live(refs: list[weakref.WeakMethod[Callable[[], None]]], method: Callable[[], None]
@@ -278,19 +326,18 @@ class Recorder:
             return self._group(group_name)
 
     def begin(self, group_name: str, op: str, nbytes: int, dtype: str, peer: int = -1) -> Token:
-        """This rank enters an operation of a group: the group's next sequence id is taken."""
+        """This rank enters an operation of a group that may end on another thread (async work,
+        a future's callback): the group's next sequence id is taken and the call is kept in
+        flight until `end`. A call that returns complete uses `enter`/`returned`."""
         now = _time_ns() // 1000 if self._wall else self.clock()
-        # acquire/release rather than `with`: half the cost (0.06 against 0.15 us) on a path
-        # every collective takes twice
+        # acquire/release rather than `with`: half the cost (0.06 against 0.15 us)
         lock = self._lock
         lock.acquire()
         try:
             group = self._groups.get(group_name) or self._group(group_name)
-            seq = group.last_enqueued + 1
+            seq = next(group.seqs)
             token = (group, seq, op, nbytes, dtype, peer, now)
-            group.last_enqueued = seq
             group.last = token
-            group.last_enqueue_us = now
             in_flight = group.in_flight
             if len(in_flight) >= _MAX_IN_FLIGHT:
                 done = group.last_completed  # forget calls that never ended
@@ -305,6 +352,34 @@ class Recorder:
             lock.release()
         return token
 
+    def enter(self, group_name: str, op: str, nbytes: int, dtype: str) -> Token:
+        """`begin` for a call that returns complete on the thread that makes it (a synchronous
+        collective, the hot path of most jobs): no lock and no in-flight entry (`_Group`),
+        about half the cost. Pair it with `returned`, or with `end(token, False)` if the call
+        raised."""
+        now = _time_ns() // 1000 if self._wall else self.clock()
+        group = self._groups.get(group_name) or self._group(group_name)
+        token = (group, next(group.seqs), op, nbytes, dtype, -1, now)
+        group.last = token
+        return token
+
+    def returned(self, token: Token) -> None:
+        """The synchronous call of `token` (`enter`) returned: queue its event."""
+        group, seq, op, nbytes, dtype, peer, enqueued = token
+        now = _time_ns() // 1000 if self._wall else self.clock()
+        if seq > group.returned[0]:
+            group.returned = (seq, now)
+        if self._disabled:
+            return
+        try:
+            if not self.sink.offer((
+                self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes, dtype,
+                peer, False, enqueued, now,
+            )):
+                self._dropped += 1
+        except Exception as exc:
+            self.note_error("sink.offer", exc)
+
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
         """The operation `token` finished (ok) or failed on this rank; queue its event."""
         group, seq, op, nbytes, dtype, token_peer, enqueued = token
@@ -313,9 +388,8 @@ class Recorder:
         lock.acquire()
         try:
             group.in_flight.pop(seq, None)
-            if seq > group.last_completed:
-                group.last_completed = seq
-                group.last_complete_us = now
+            if seq > group.done[0]:
+                group.done = (seq, now)
         finally:
             lock.release()
         if self._disabled:
@@ -343,13 +417,9 @@ class Recorder:
         with self._lock:
             group = self._group(group_name)
             if entered > group.last_enqueued:
-                at = entered_us or now
-                group.last_enqueued = entered
-                group.last_enqueue_us = at
-                group.last = (group, entered, op, 0, "", -1, at)
+                group.last = (group, entered, op, 0, "", -1, entered_us or now)
             if completed > group.last_completed:
-                group.last_completed = min(completed, group.last_enqueued)
-                group.last_complete_us = now
+                group.done = (min(completed, group.last_enqueued), now)
 
     def record_span(self, group_name: str, seq: int, op: str, enqueue_us: int) -> None:
         """Record a completed operation of a counted group (`counted`) from `enqueue_us` to
@@ -497,19 +567,6 @@ class Recorder:
 
     # -- heartbeats -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _progress(g: _Group) -> GroupProgress:
-        oldest_seq, oldest_op, oldest_nbytes, oldest_dtype = g.oldest()
-        pending_op, pending_nbytes, pending_dtype = g.pending()
-        return GroupProgress(
-            group=GroupId(g.name), last_enqueued=g.last_enqueued,
-            last_completed=g.last_completed, pending_op=pending_op,
-            last_enqueue_us=g.last_enqueue_us, last_complete_us=g.last_complete_us,
-            pending_nbytes=pending_nbytes, pending_dtype=pending_dtype,
-            oldest_seq=oldest_seq, oldest_op=oldest_op, oldest_nbytes=oldest_nbytes,
-            oldest_dtype=oldest_dtype,
-        )
-
     def pending_since(self) -> int:
         """When the oldest call still pending in any group was entered (us); 0 when none is.
         Called from the heartbeat thread; holds the lock only for a scan of the groups."""
@@ -531,7 +588,7 @@ class Recorder:
 
     def heartbeat_record(self) -> Heartbeat:
         with self._lock:
-            groups = tuple(self._progress(g) for g in self._groups.values())
+            groups = tuple(g.progress() for g in self._groups.values())
         return Heartbeat(
             job=JobId(self.job), attempt=self.attempt, node=NodeId(self.node),
             rank=Rank(self.rank), time_us=self.clock(), pid=self.pid, step=self.step,

@@ -38,16 +38,17 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    connected to a real node agent process. `record_us` is the time a wrapped call costs the
    training thread on top of the call itself: the wrapper put around a no-op with
    `all_reduce`'s signature, minus the bare no-op, over 1-element tensors. It includes the
-   wrapper's argument handling, `Recorder.begin`/`end` (two clock reads, the lock, the tuple)
-   and `SocketTransport.offer`; the other threads are kept off the GIL while it is timed
-   (sys.setswitchinterval). What the sender thread later spends on each record (turning it into
-   a record, JSON, the socket write) is `sender_us`, CPU time measured while the training thread
-   waits: it runs off the training thread but holds the GIL. `drain_us` is the wall time per
-   record of that drain, which the node agent's reading pace bounds. `record_us_contended` is
-   the same wrapped no-op with the sender running alongside (a training thread that never
-   releases the GIL), and `all_reduce_*` compare a real wrapped and unwrapped gloo all_reduce of
-   one rank (noisy: the gloo call itself varies by more than the recorder costs). `parts_us`
-   breaks the hot path down, each part timed alone.
+   wrapper's argument handling, `Recorder.enter`/`returned` (a synchronous call's path: two
+   clock reads, the sequence id, the tuple) and `SocketTransport.offer`; the other threads
+   are kept off the GIL while it is timed (sys.setswitchinterval). What the sender thread
+   later spends on each record (turning it into a record, JSON, the socket write) is
+   `sender_us`, CPU time measured while the training thread waits: it runs off the training
+   thread but holds the GIL. `drain_us` is the wall time per record of that drain, which the
+   node agent's reading pace bounds. `record_us_contended` is the same wrapped no-op with the
+   sender running alongside (a training thread that never releases the GIL), and
+   `all_reduce_*` compare a real wrapped and unwrapped gloo all_reduce of one rank (noisy: the
+   gloo call itself varies by more than the recorder costs). `parts_us` breaks the hot path
+   down, each part timed alone.
 
     python bench/overhead.py [--runs R] [--rounds N] [--block-steps S] [--control] [--step-times]
                              [--separate-jobs N] [--calls C] [--blocks B]
@@ -454,8 +455,8 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
         item = ("bench", 0, "n0", 0, "0", 1, "all_reduce", 4, "float32", -1, False, 1, 2)
         offer = statistics.median(quiet(fresh().offer, calls, (item,)) for _ in range(blocks))
 
-        def begin_end(_: Any) -> None:
-            rec.end(rec.begin("0", "all_reduce", 4, "float32"), True)
+        def begin_end(_: Any) -> None:  # a synchronous call's path (`enter`/`returned`)
+            rec.returned(rec.enter("0", "all_reduce", 4, "float32"))
 
         parts_be: list[float] = []
         for _ in range(blocks):
@@ -491,7 +492,7 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
             "parts_us": {
                 "clock_reads_x2": round(clocks - nothing, 3),
                 "transport_offer": round(offer - nothing, 3),
-                "recorder_begin_end_incl_offer_and_clocks": round(begin_end_us, 3),
+                "recorder_enter_returned_incl_offer_and_clocks": round(begin_end_us, 3),
                 "wrapper_args_and_group": round(record - begin_end_us, 3),
             },
             "transport_dropped": dropped,

@@ -138,3 +138,57 @@ def test_a_counted_group_reports_what_was_entered_and_completed_never_going_back
     assert isinstance(row, tuple)
     assert row[4:11] == ("0:ddp", 4, "ddp_comm", 0, "", -1, False) and row[11] == 1_000
     assert row[12] > 1_000
+
+
+def test_a_synchronous_call_shows_pending_inside_and_complete_after_without_the_lock() -> None:
+    """`enter`/`returned` (a call that returns complete, the hot path) take no lock: the call
+    still shows as pending in a heartbeat taken while it runs, its event is queued when it
+    returns, and its sequence id follows on from async calls of the same group."""
+    sink = Sink()
+    rec = Recorder(job="job", attempt=0, node="n", rank=1, sink=sink, clock=Clock(),
+                   heartbeat_s=0.5, pid=7)
+    first = rec.begin("0", "all_reduce", 64, "float32")
+    rec.end(first, True)
+    token = rec.enter("0", "broadcast", 128, "int64")
+    rec._lock.acquire()  # another thread holding the lock does not stop a synchronous call
+    try:
+        other = rec.enter("0", "barrier", 0, "")
+        rec.returned(other)
+    finally:
+        rec._lock.release()
+    assert (token[1], other[1]) == (2, 3)
+    g = progress(rec)["0"]
+    assert (g.last_enqueued, g.last_completed, g.pending_op) == (3, 3, "")
+    inside = rec.enter("0", "all_reduce", 256, "bfloat16")
+    g = progress(rec)["0"]
+    assert (g.last_enqueued, g.last_completed, g.pending_op, g.pending_nbytes) == (
+        4, 3, "all_reduce", 256)
+    assert rec.pending_since() == inside[6]
+    rec.returned(inside)
+    g = progress(rec)["0"]
+    assert (g.last_completed, g.pending_op, g.last_complete_us) == (4, "", sink.items[-1][12])
+    assert rec.pending_since() == 0
+    assert [(i[5], i[6], i[10]) for i in sink.items] == [
+        (1, "all_reduce", False), (3, "barrier", False), (4, "all_reduce", False)]
+    rec.end(token, False)  # the broadcast raised: recorded as failed, completion kept at 4
+    assert sink.items[-1][5:11] == (2, "broadcast", 128, "int64", -1, True)
+    assert progress(rec)["0"].last_completed == 4
+
+
+def test_an_async_end_after_a_later_synchronous_return_does_not_move_completion_back() -> None:
+    """An async call's future completes on another thread, after a later synchronous call of
+    the group returned: the group's last completed call stays the later one (the two are
+    kept apart, so neither write can undo the other), and with the async call pending behind
+    a synchronous one both count as in flight."""
+    rec = Recorder(job="job", attempt=0, node="n", rank=1, sink=Sink(), clock=Clock(),
+                   heartbeat_s=0.5, pid=7)
+    work = rec.begin("0", "all_gather_into_tensor", 512, "float32")
+    sync = rec.enter("0", "all_reduce", 64, "float32")
+    g = progress(rec)["0"]
+    assert (g.oldest_seq, g.oldest_op, g.pending_op) == (1, "all_gather_into_tensor",
+                                                         "all_reduce")
+    assert rec.pending_since() == work[6]
+    rec.returned(sync)
+    rec.end(work, True)
+    g = progress(rec)["0"]
+    assert (g.last_enqueued, g.last_completed, g.pending_op, g.oldest_seq) == (2, 2, "", 0)
