@@ -992,6 +992,7 @@ class _DdpCount:
         if since and n > last:
             self.recorded = n
             shift = self.shift
+            paced = False
             if n >> shift <= last >> shift:
                 # not one to record at the pace last seen; unless the pace fell (a slowed
                 # step, a pause): then at the pace since the last recorded step
@@ -1000,9 +1001,11 @@ class _DdpCount:
                 shift = self.shift = self._pace(since, n)
                 if n >> shift <= last >> shift:
                     return
+                paced = True  # the pace just taken is the one to go on with
             recorder.record_span(self.name, n, "ddp_comm", since)
             if self.span_us:
-                self.shift = self._pace(since, n)
+                if not paced:
+                    self.shift = self._pace(since, n)
                 self.mark = (since, n)
 
     def _pace(self, now_us: int, n: int) -> int:
