@@ -6,8 +6,9 @@ the difference goes in a real multi-rank job: torchrun ranks under `tracehound i
 recorder in every rank, a node agent shipping to an embedded store), two identical DDP models
 trained in alternating blocks of steps:
 
-- `traced`: as the recorder's settings in force make it (TRACEHOUND_DDP_TRACE_EVERY: every bucket
-  through the recorder's process group, or one step in N and the others counted);
+- `traced`: as the recorder's settings in force make it (TRACEHOUND_DDP_TRACE_EVERY: 0, the
+  default, every step counted; 1, every bucket through the recorder's process group; N, one
+  step in N and the others counted);
 - `plain`: built inside `hooks.untraced_ddp()`: DDP's own C++ all-reduce, nothing recorded.
 
 Each step is timed in three phases on the wall clock: `forward` (zero_grad and the forward),
@@ -38,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tracehound.tracing.settings import DEFAULT_DDP_TRACE_EVERY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -155,7 +158,8 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     """Medians over rounds of the ranks' mean phase times; entry points averaged over ranks."""
     out: dict[str, Any] = {"ranks": len(ranks), "rounds": args.rounds,
                            "block_steps": args.block_steps,
-                           "trace_every": os.environ.get("TRACEHOUND_DDP_TRACE_EVERY", "1")}
+                           "trace_every": os.environ.get("TRACEHOUND_DDP_TRACE_EVERY",
+                                                         str(DEFAULT_DDP_TRACE_EVERY))}
     per_model: dict[str, dict[str, float]] = {}
     for kind in ("traced", "plain"):
         per_model[kind] = {
