@@ -411,8 +411,9 @@ class _Installer:
     def wrap_collective(self, spec: _Spec, original: Callable[..., Any], *, leaf: bool
                         ) -> Callable[..., Any]:
         """`wrap` for a collective of one tensor or none (all_reduce, broadcast, barrier, ...):
-        the hot path of most jobs, with `begin` inlined and kwargs looked at only when given
-        (0.3 us less a call than the general wrapper). A `leaf` (whose code calls no other
+        the hot path of most jobs, with the wrapper's `begin` inlined and kwargs looked at only
+        when given (0.3 us less a call than the general wrapper); a synchronous call goes
+        through the recorder's lock-free `enter`/`returned`. A `leaf` (whose code calls no other
         wrapped function, `_is_leaf`) only reads the depth guard: nothing it calls could be
         counted twice."""
         recorder = self.recorder

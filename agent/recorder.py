@@ -11,9 +11,10 @@ goes back to the normal interval once nothing is pending that long.
 
 It must never raise into the training process and never block it: every entry point swallows and
 counts its own errors, queueing never waits (a full queue drops and counts), and the only waits
-are in the heartbeat thread and the bounded flush at exit. The hot path (`begin`/`end`) builds
-plain tuples, not dataclasses or JSON: `materialize` turns them into records on the sender's
-thread.
+are in the heartbeat thread and the bounded flush at exit. The hot path (`enter`/`returned` for
+a call that returns complete, without the lock; `begin`/`end` for one that may end on another
+thread) builds plain tuples, not dataclasses or JSON: `materialize` turns them into records on
+the sender's thread.
 """
 
 from __future__ import annotations
