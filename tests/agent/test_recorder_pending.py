@@ -3,6 +3,8 @@ or dtype mismatch that hangs is told by), and forget them once the call complete
 
 from __future__ import annotations
 
+import threading
+
 from tracehound.agent.recorder import Pending, Recorder
 from tracehound.tracing.events import GroupProgress
 
@@ -192,3 +194,21 @@ def test_an_async_end_after_a_later_synchronous_return_does_not_move_completion_
     rec.end(work, True)
     g = progress(rec)["0"]
     assert (g.last_enqueued, g.last_completed, g.pending_op, g.oldest_seq) == (2, 2, "", 0)
+
+
+def test_a_new_group_is_added_under_the_lock_the_heartbeat_iterates_under() -> None:
+    """Only a group's first synchronous call takes the lock: the heartbeat thread iterates the
+    groups under it, and a group added meanwhile would break that iteration."""
+    rec = Recorder(job="job", attempt=0, node="n", rank=1, sink=Sink(), clock=Clock(),
+                   heartbeat_s=0.5, pid=7)
+    tokens: list[object] = []
+    rec._lock.acquire()
+    try:
+        first = threading.Thread(target=lambda: tokens.append(rec.enter("9", "barrier", 0, "")))
+        first.start()
+        first.join(0.2)
+        assert first.is_alive() and not tokens  # waits for the lock
+    finally:
+        rec._lock.release()
+    first.join(10)
+    assert len(tokens) == 1 and progress(rec)["9"].pending_op == "barrier"
