@@ -119,9 +119,8 @@ class _Group:
         self.seqs = itertools.count(1)
         """`next(seqs)`: the next call's sequence id."""
         self.last: Token | None = None
-        """The token of the latest call entered (its seq and entry time are `last_enqueued`
-        and `last_enqueue_us`): while it is pending, its op, size and dtype are what a
-        heartbeat reports as pending."""
+        """The token of the latest call entered (its seq is `last_enqueued`): while it is
+        pending, its op, size and dtype are what a heartbeat reports as pending."""
         self.done: tuple[int, int] = (0, 0)
         """(seq, us) of the latest completion seen under the lock: async ends, failures,
         counted progress."""
@@ -143,11 +142,6 @@ class _Group:
         last = self.last
         return 0 if last is None else last[1]
 
-    @property
-    def last_enqueue_us(self) -> int:
-        last = self.last
-        return 0 if last is None else last[6]
-
     def _completed(self) -> tuple[int, int]:
         done, returned = self.done, self.returned
         return done if done[0] >= returned[0] else returned
@@ -155,10 +149,6 @@ class _Group:
     @property
     def last_completed(self) -> int:
         return self._completed()[0]
-
-    @property
-    def last_complete_us(self) -> int:
-        return self._completed()[1]
 
     def snapshot(self) -> tuple[int, int, Token | None]:
         """(last completed seq, its time, latest token entered), read in that order so that a

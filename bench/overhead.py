@@ -455,13 +455,13 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
         item = ("bench", 0, "n0", 0, "0", 1, "all_reduce", 4, "float32", -1, False, 1, 2)
         offer = statistics.median(quiet(fresh().offer, calls, (item,)) for _ in range(blocks))
 
-        def begin_end(_: Any) -> None:  # a synchronous call's path (`enter`/`returned`)
+        def enter_returned(_: Any) -> None:  # a synchronous call's path
             rec.returned(rec.enter("0", "all_reduce", 4, "float32"))
 
-        parts_be: list[float] = []
+        parts_er: list[float] = []
         for _ in range(blocks):
             rec = Recorder(job="bench", attempt=0, node="n0", rank=0, sink=fresh())
-            parts_be.append(quiet(begin_end, calls))
+            parts_er.append(quiet(enter_returned, calls))
 
         def two_clocks(_: Any) -> None:
             now_us()
@@ -469,7 +469,7 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
 
         clocks = statistics.median(quiet(two_clocks, calls) for _ in range(blocks))
         nothing = statistics.median(quiet(lambda _: None, calls) for _ in range(blocks))
-        begin_end_us = statistics.median(parts_be) - nothing
+        enter_returned_us = statistics.median(parts_er) - nothing
         record = statistics.median(diffs)
         q1, q3 = quartiles(diffs)
         recorder.close(timeout=5.0)
@@ -492,8 +492,8 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
             "parts_us": {
                 "clock_reads_x2": round(clocks - nothing, 3),
                 "transport_offer": round(offer - nothing, 3),
-                "recorder_enter_returned_incl_offer_and_clocks": round(begin_end_us, 3),
-                "wrapper_args_and_group": round(record - begin_end_us, 3),
+                "recorder_enter_returned_incl_offer_and_clocks": round(enter_returned_us, 3),
+                "wrapper_args_and_group": round(record - enter_returned_us, 3),
             },
             "transport_dropped": dropped,
             "records_sent": transport.sent,
