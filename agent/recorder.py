@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from tracehound.tracing.events import (
@@ -236,9 +236,9 @@ class Recorder:
         self._nudge: Callable[[], None] | None = getattr(sink, "nudge", None)
         """The sink's way to send what it holds at once, if it has one (SocketTransport)."""
         self.clock = clock
-        self._wall = clock is now_us
-        """The clock is the wall clock: begin/end read it inline (`_time_ns() // 1000`), without
-        the Python call (0.05 us of the 2 us a record may cost)."""
+        self.wall_clock = clock is now_us
+        """The clock is the wall clock: the hot paths read it inline (`_time_ns() // 1000`),
+        without the Python call (0.05 us of the 2 us a record may cost)."""
         self.heartbeat_s = heartbeat_s
         self.inflight_s = inflight_s
         """A call pending longer than this switches heartbeats to `inflight_heartbeat_s`."""
@@ -246,9 +246,13 @@ class Recorder:
         self.pid = os.getpid() if pid is None else pid
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
+        self.groups: Mapping[str, _Group] = self._groups
+        """This rank's progress by group name, to read (the hooks' inlined synchronous path
+        looks a group up here and calls `group_state` for a new one)."""
         self._dropped = 0
         self._errors = 0
-        self._disabled = False
+        self.disabled = False
+        """Set by `disable`: nothing is recorded any more (read by the hooks' inlined path)."""
         # Steps: step = start_step + steps of the lead optimizer (or what set_step said).
         self._start_step = 0
         self._step_base = 0
@@ -287,6 +291,10 @@ class Recorder:
         """Errors of the recorder itself that were swallowed."""
         return self._errors
 
+    def count_dropped(self) -> None:
+        """A record the sink refused (its queue full): counted in `dropped`."""
+        self._dropped += 1
+
     def note_error(self, where: str, exc: BaseException) -> None:
         """Count (and log the first few) errors of the recorder itself; never raises."""
         self._errors += 1
@@ -295,7 +303,7 @@ class Recorder:
                 log.warning("tracehound recorder error in %s (rank %s): %r", where, self.rank, exc)
 
     def _offer(self, item: Pending) -> None:
-        if self._disabled:
+        if self.disabled:
             return
         try:
             if not self.sink.offer(item):
@@ -320,7 +328,7 @@ class Recorder:
         """This rank enters an operation of a group that may end on another thread (async work,
         a future's callback): the group's next sequence id is taken and the call is kept in
         flight until `end`. A call that returns complete uses `enter`/`returned`."""
-        now = _time_ns() // 1000 if self._wall else self.clock()
+        now = _time_ns() // 1000 if self.wall_clock else self.clock()
         # acquire/release rather than `with`: half the cost (0.06 against 0.15 us)
         lock = self._lock
         lock.acquire()
@@ -347,8 +355,11 @@ class Recorder:
         """`begin` for a call that returns complete on the thread that makes it (a synchronous
         collective, the hot path of most jobs): no lock (but at a group's first call) and no
         in-flight entry (`_Group`), about a third less. Pair it with `returned`, or with
-        `end(token, False)` if the call raised."""
-        now = _time_ns() // 1000 if self._wall else self.clock()
+        `end(token, False)` if the call raised. The hooks' one-tensor collective wrapper
+        (`hooks._Installer.wrap_collective`) does what `enter` and `returned` do inline, to save
+        the two calls: a change here is a change there (tests/agent/test_hot_path.py holds them
+        to the same records)."""
+        now = _time_ns() // 1000 if self.wall_clock else self.clock()
         # a new group is added under the lock: the heartbeat thread iterates the groups under it
         group = self._groups.get(group_name) or self.group_state(group_name)
         token = (group, next(group.seqs), op, nbytes, dtype, -1, now)
@@ -358,10 +369,10 @@ class Recorder:
     def returned(self, token: Token) -> None:
         """The synchronous call of `token` (`enter`) returned: queue its event."""
         group, seq, op, nbytes, dtype, peer, enqueued = token
-        now = _time_ns() // 1000 if self._wall else self.clock()
+        now = _time_ns() // 1000 if self.wall_clock else self.clock()
         if seq > group.returned[0]:
             group.returned = (seq, now)
-        if self._disabled:
+        if self.disabled:
             return
         try:
             if not self.sink.offer((
@@ -375,7 +386,7 @@ class Recorder:
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
         """The operation `token` finished (ok) or failed on this rank; queue its event."""
         group, seq, op, nbytes, dtype, token_peer, enqueued = token
-        now = _time_ns() // 1000 if self._wall else self.clock()
+        now = _time_ns() // 1000 if self.wall_clock else self.clock()
         lock = self._lock
         lock.acquire()
         try:
@@ -384,7 +395,7 @@ class Recorder:
                 group.done = (seq, now)
         finally:
             lock.release()
-        if self._disabled:
+        if self.disabled:
             return
         try:  # _offer, inline
             if not self.sink.offer((
@@ -396,7 +407,7 @@ class Recorder:
             self.note_error("sink.offer", exc)
 
     def now_us(self) -> int:
-        return _time_ns() // 1000 if self._wall else self.clock()
+        return _time_ns() // 1000 if self.wall_clock else self.clock()
 
     def counted(self, group_name: str, op: str, entered: int, completed: int = -1, *,
                 entered_us: int = 0) -> None:
@@ -598,7 +609,7 @@ class Recorder:
 
     def start(self) -> None:
         """Start the heartbeat thread (idempotent)."""
-        if self._thread is not None or self._disabled:
+        if self._thread is not None or self.disabled:
             return
         self._thread = threading.Thread(
             target=self._run, name="tracehound-heartbeat", daemon=True
@@ -638,7 +649,7 @@ class Recorder:
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop heartbeats, send a final one and flush the sink, waiting at most `timeout` s."""
-        if self._disabled:
+        if self.disabled:
             return
         self._stop.set()
         self._wake.set()
@@ -653,7 +664,7 @@ class Recorder:
 
     def disable(self) -> None:
         """Stop recording for good (e.g. in a forked child, whose threads did not survive)."""
-        self._disabled = True
+        self.disabled = True
         self._stop.set()
 
 

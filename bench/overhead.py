@@ -38,8 +38,9 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    connected to a real node agent process. `record_us` is the time a wrapped call costs the
    training thread on top of the call itself: the wrapper put around a no-op with
    `all_reduce`'s signature, minus the bare no-op, over 1-element tensors. It includes the
-   wrapper's argument handling, `Recorder.enter`/`returned` (a synchronous call's path: two
-   clock reads, the sequence id, the tuple) and `SocketTransport.offer`; the other threads
+   wrapper's argument handling, what `Recorder.enter`/`returned` do (a synchronous call's
+   path, inline in the wrapper: two clock reads, the sequence id, the tuple) and
+   `SocketTransport.offer`; the other threads
    are kept off the GIL while it is timed (sys.setswitchinterval). What the sender thread
    later spends on each record (turning it into a record, JSON, the socket write) is
    `sender_us`, CPU time measured while the training thread waits: it runs off the training
@@ -47,8 +48,9 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    node agent's reading pace bounds. `record_us_contended` is the same wrapped no-op with the
    sender running alongside (a training thread that never releases the GIL), and
    `all_reduce_*` compare a real wrapped and unwrapped gloo all_reduce of one rank (noisy: the
-   gloo call itself varies by more than the recorder costs). `parts_us` breaks the hot path
-   down, each part timed alone.
+   gloo call itself varies by more than the recorder costs). `parts_us` times pieces of the
+   hot path alone: two clock reads, the transport's offer, and `Recorder.enter`/`returned`
+   called as methods (the wrapper does the same work inline, without the two calls).
 
     python bench/overhead.py [--runs R] [--rounds N] [--block-steps S] [--control] [--step-times]
                              [--separate-jobs N] [--calls C] [--blocks B]
@@ -493,7 +495,6 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
                 "clock_reads_x2": round(clocks - nothing, 3),
                 "transport_offer": round(offer - nothing, 3),
                 "recorder_enter_returned_incl_offer_and_clocks": round(enter_returned_us, 3),
-                "wrapper_args_and_group": round(record - enter_returned_us, 3),
             },
             "transport_dropped": dropped,
             "records_sent": transport.sent,

@@ -1,0 +1,140 @@
+"""The one-tensor collective wrapper does what `Recorder.enter` and `Recorder.returned` do,
+inline (hooks.py: two calls less on the hot path). These tests hold the two to the same
+records and the same group state, so neither can change alone.
+
+The wrapper is built by the real installer around a stand-in for `all_reduce` (same
+signature) that calls back into the test, so the group's state can be read while the call is
+inside; no process group is needed (the default group's name is given to the installer's
+cache)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tracehound.agent import hooks
+from tracehound.agent.recorder import Recorder
+
+
+class Queue:
+    """A sink that keeps what it accepts, or refuses everything (`full`)."""
+
+    def __init__(self, *, full: bool = False) -> None:
+        self.items: list[Any] = []
+        self.full = full
+
+    def offer(self, item: Any) -> bool:
+        if self.full:
+            return False
+        self.items.append(item)
+        return True
+
+    def flush(self, timeout: float) -> bool:
+        return True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.us = 1_000_000
+
+    def __call__(self) -> int:
+        self.us += 7
+        return self.us
+
+
+def wrapped_all_reduce(recorder: Recorder, inside: Callable[[], None] = lambda: None,
+                       ) -> Callable[..., Any]:
+    """all_reduce's wrapper from the real installer, around a no-op that calls `inside`."""
+
+    def stand_in(*args: Any, **kwargs: Any) -> None:
+        inside()
+
+    stand_in.__signature__ = inspect.signature(dist.all_reduce)  # type: ignore[attr-defined]
+    installer = hooks._Installer(recorder, dist, on_group=lambda: None)
+    installer.groups.default = (object(), "0")
+    spec = hooks._spec("all_reduce", stand_in)
+    return installer.wrap_collective(spec, stand_in, leaf=True)
+
+
+def without_times(item: tuple[Any, ...]) -> tuple[Any, ...]:
+    return item[:-2]
+
+
+@pytest.mark.parametrize("tensor", [torch.ones(3), torch.zeros(2, 2, dtype=torch.bfloat16)])
+def test_the_wrapper_records_what_enter_and_returned_record(tensor: torch.Tensor) -> None:
+    by_wrapper, by_methods = Queue(), Queue()
+    wrapper_clock, methods_clock = Clock(), Clock()
+    traced = Recorder(job="j", attempt=2, node="n", rank=5, sink=by_wrapper, clock=wrapper_clock)
+    reference = Recorder(job="j", attempt=2, node="n", rank=5, sink=by_methods,
+                         clock=methods_clock)
+    all_reduce = wrapped_all_reduce(traced)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    for _ in range(3):
+        all_reduce(tensor)
+        reference.returned(reference.enter("0", "all_reduce", tensor.nbytes, dtype))
+    all_reduce(tensor=tensor)  # by keyword
+
+    reference.returned(reference.enter("0", "all_reduce", tensor.nbytes, dtype))
+    assert [without_times(i) for i in by_wrapper.items] == \
+        [without_times(i) for i in by_methods.items]
+    assert [i[5] for i in by_wrapper.items] == [1, 2, 3, 4]
+    for item in by_wrapper.items:
+        assert item[-2] < item[-1]  # entered before it returned, each a clock read
+    assert by_wrapper.items[-1][-2:] == by_methods.items[-1][-2:]  # the same clock reads
+    mine, theirs = traced.groups["0"], reference.groups["0"]
+    assert mine.returned == theirs.returned and mine.done == theirs.done == (0, 0)
+    assert mine.last is not None and theirs.last is not None
+    assert mine.last[1:] == theirs.last[1:]
+    assert mine.in_flight == theirs.in_flight == {}
+
+
+def test_inside_the_wrapped_call_it_shows_pending_and_after_it_complete() -> None:
+    recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=Queue(), clock=Clock())
+    seen: list[tuple[int, int]] = []
+
+    def inside() -> None:
+        state = recorder.groups["0"]
+        seen.append((state.last_enqueued, state.last_completed))
+
+    all_reduce = wrapped_all_reduce(recorder, inside)
+    all_reduce(torch.ones(1))
+    all_reduce(torch.ones(1))
+    assert seen == [(1, 0), (2, 1)]
+    assert recorder.groups["0"].last_completed == 2
+
+
+def test_a_refused_record_is_counted_and_nothing_is_offered_once_disabled() -> None:
+    full = Queue(full=True)
+    recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=full, clock=Clock())
+    all_reduce = wrapped_all_reduce(recorder)
+    all_reduce(torch.ones(1))
+    all_reduce(torch.ones(1))
+    assert recorder.dropped == 2 and recorder.errors == 0
+
+    kept = Queue()
+    recorder.sink = kept  # what the sink is at the call is what is used
+    all_reduce(torch.ones(1))
+    assert [i[5] for i in kept.items] == [3]
+    recorder.disable()
+    all_reduce(torch.ones(1))
+    assert len(kept.items) == 1 and recorder.dropped == 2
+
+
+def test_a_call_that_raises_is_recorded_failed_and_the_error_reaches_the_caller() -> None:
+    sink = Queue()
+    recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=Clock())
+
+    def boom() -> None:
+        raise RuntimeError("connection reset by peer")
+
+    all_reduce = wrapped_all_reduce(recorder, boom)
+    with pytest.raises(RuntimeError, match="connection reset"):
+        all_reduce(torch.ones(1))
+    ((*_, seq, op, _nbytes, _dtype, _peer, failed, _enq, _comp),) = sink.items
+    assert (seq, op, failed) == (1, "all_reduce", True)
+    assert recorder.groups["0"].last_completed == 1
