@@ -416,9 +416,10 @@ class _Installer:
         when given (0.3 us less a call than the general wrapper). A synchronous call does what
         the recorder's lock-free `Recorder.enter` and `Recorder.returned` do, inline, without
         the two calls and the token's unpacking (about a tenth of the path: 1.7-1.8 against
-        1.9-2.0 us, the wrapper around a no-op timed in one process); tests/agent/test_hot_path.py
-        holds both to the same records. A `leaf` (whose code calls no other wrapped function, `_is_leaf`)
-        only reads the depth guard: nothing it calls could be counted twice."""
+        1.9-2.0 us, the wrapper around a no-op timed in one process);
+        tests/agent/test_hot_path.py holds both to the same records. A `leaf` (whose code calls
+        no other wrapped function, `_is_leaf`) only reads the depth guard: nothing it calls
+        could be counted twice."""
         recorder = self.recorder
         begin = recorder.begin
         states, group_state = recorder.groups, recorder.group_state
