@@ -482,6 +482,10 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
             "record_us_iqr": [round(q1, 3), round(q3, 3)],
             "record_us_min_max": [round(min(diffs), 3), round(max(diffs), 3)],
             "record_blocks": blocks,
+            # (traced, bare) per block, in order: this machine's speed changes by up to ~1.8x
+            # for minutes at a time, and both move with it
+            "record_block_pairs_us": [[round(t, 3), round(b, 3)]
+                                      for t, b in zip(traced, bare, strict=True)],
             "record_calls_per_block": calls,
             "noop_us": round(statistics.median(bare), 3),
             "sender_us": round(statistics.median(sender), 3),
