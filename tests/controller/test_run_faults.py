@@ -57,7 +57,7 @@ def test_slowed_rank_is_a_straggler_observed_then_isolated(
     # with 0 (the default), found from the steps' `ddp_comm` of the counted group: who arrives
     # last, and the compute between steps; with 1 from the buckets
     monkeypatch.setenv("TRACEHOUND_DDP_TRACE_EVERY", every)
-    outcome, incidents = run_job(tmp_path, "straggler", "--steps", "500", "--step-sleep-ms",
+    outcome, incidents = run_job(tmp_path, "straggler", "--steps", "800", "--step-sleep-ms",
                                  "10", "--fault", "slow", "--slow-ms", "40", "--fault-rank", "3",
                                  "--fault-step", "20")
     assert outcome["completed"] is True, outcome
