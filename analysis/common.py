@@ -351,6 +351,17 @@ excess (a rank paused twice has a second one in its other gaps; a 1.3x straggler
 add more than its longest one as soon as there are a few of them)."""
 
 
+def judged_on_compute(stats: RankStats, *, min_collectives: int,
+                      min_active_us: float) -> npt.NDArray[np.bool_]:
+    """Per rank: whether the window holds enough of its work to judge its compute against its
+    peers': `min_collectives` collectives, spread over at least `min_active_us` (without the
+    busy columns, the count alone)."""
+    judged = stats.n >= min_collectives
+    if stats.active_us is not None:
+        judged &= np.asarray(stats.active_us, dtype=np.float64) >= min_active_us
+    return judged
+
+
 def own_time(stats: RankStats, judged: npt.NDArray[np.bool_],
              groups: Sequence[I64]) -> OwnTime | None:
     """Each rank's own compute against its role peers', or None when the source has no busy

@@ -96,7 +96,11 @@ class DetectionSettings:
     of its active time: a slow rank nobody waits for costs the job nothing."""
     straggler_busy_min_collectives: int = 4
     """A rank needs this many collectives in the window to be judged on its compute (a window
-    of 23-second steps holds about four)."""
+    of 23-second steps holds about four)..."""
+    straggler_min_active_us: float = 500_000.0
+    """...spread over at least this long (us): a fraction of a second of a rank's work is
+    noise, not a straggler (at the edge of an attempt four ranks on two cores showed healthy
+    ranks 1.16x and 1.29x their peers over 0.15 and 0.26 s)."""
     straggler_min_collectives: int = 20
     """Without the busy columns (an older source), a rank needs this many collectives in the
     window to be judged by its arrivals; the rest of the straggler settings below serve that

@@ -132,6 +132,7 @@ from tracehound.analysis.common import (
     collective_groups,
     collective_interval,
     group_members,
+    judged_on_compute,
     ms,
     node_ranks,
     own_time,
@@ -695,7 +696,8 @@ def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdi
     stats = obs.ranks
     if stats is None:
         return None
-    judged = stats.n >= settings.straggler_busy_min_collectives
+    judged = judged_on_compute(stats, min_collectives=settings.straggler_busy_min_collectives,
+                               min_active_us=settings.straggler_min_active_us)
     if int(judged.sum()) < 2:
         return None
     own = own_time(stats, judged, role_groups(obs.snapshot, obs.links, stats.rank))

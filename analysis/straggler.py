@@ -43,6 +43,7 @@ from tracehound.analysis.common import (
     collective_interval,
     group_members,
     groups_of,
+    judged_on_compute,
     ms,
     ordered_nodes,
     own_time,
@@ -102,7 +103,8 @@ def detect_straggler(obs: Observation, settings: DetectionSettings) -> Verdict |
     stats = obs.ranks
     if stats is None:
         return None
-    judged = stats.n >= settings.straggler_busy_min_collectives
+    judged = judged_on_compute(stats, min_collectives=settings.straggler_busy_min_collectives,
+                               min_active_us=settings.straggler_min_active_us)
     groups = role_groups(obs.snapshot, obs.links, stats.rank)
     own = own_time(stats, judged, groups)
     if own is None:

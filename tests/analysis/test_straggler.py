@@ -167,6 +167,19 @@ def test_a_straggler_of_long_steps_is_found_on_few_collectives(seed: int) -> Non
     assert verdict.confidence >= LIKELY
 
 
+def test_a_fraction_of_a_second_of_work_is_not_judged() -> None:
+    # at the edge of an attempt a window can hold a few tenths of a second of the ranks' work:
+    # three 100 ms steps (27 collectives) are not judged, four (0.55 s) are
+    short = ddp(slow={5: 1.5}, steps=3, step_us=100_000.0, seed=1)
+    assert short.ranks is not None and short.ranks.active_us is not None
+    assert float(short.ranks.active_us.max()) < SETTINGS.straggler_min_active_us
+    assert detect_straggler(short, SETTINGS) is None
+    unguarded = replace(SETTINGS, straggler_min_active_us=0.0)
+    assert detect_straggler(short, unguarded) is not None  # what the minimum holds back
+    verdict = detect_straggler(ddp(slow={5: 1.5}, steps=4, step_us=100_000.0, seed=1), SETTINGS)
+    assert verdict is not None and verdict.culprit_ranks == (5,)
+
+
 def test_long_steps_without_a_straggler_give_no_verdict() -> None:
     for seed in range(4):
         assert detect_straggler(long_steps(seed=seed, slow={seed: 1.03}), SETTINGS) is None
@@ -200,7 +213,8 @@ def test_confidence_grows_with_the_margin_and_the_evidence() -> None:
     mild, marked = confidence(megatron(slow={21: 1.3}, seed=2)), confidence(
         megatron(slow={21: 1.8}, seed=2))
     assert WEAK <= mild < marked
-    few, many = confidence(megatron(slow={21: 1.5}, steps=1, microbatches=1, seed=2)), \
+    # (24 collectives over 0.6 s against 72 over 1.2 s; fewer would not be judged at all)
+    few, many = confidence(megatron(slow={21: 1.5}, steps=4, microbatches=1, seed=2)), \
         confidence(megatron(slow={21: 1.5}, steps=4, seed=2))
     assert few < many
 
