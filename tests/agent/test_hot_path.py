@@ -16,35 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from recorder_fakes import Clock, Sink
 
 from tracehound.agent import hooks
 from tracehound.agent.recorder import Recorder
-
-
-class Queue:
-    """A sink that keeps what it accepts, or refuses everything (`full`)."""
-
-    def __init__(self, *, full: bool = False) -> None:
-        self.items: list[Any] = []
-        self.full = full
-
-    def offer(self, item: Any) -> bool:
-        if self.full:
-            return False
-        self.items.append(item)
-        return True
-
-    def flush(self, timeout: float) -> bool:
-        return True
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.us = 1_000_000
-
-    def __call__(self) -> int:
-        self.us += 7
-        return self.us
 
 
 def wrapped_all_reduce(recorder: Recorder, inside: Callable[[], None] = lambda: None,
@@ -67,7 +42,7 @@ def without_times(item: tuple[Any, ...]) -> tuple[Any, ...]:
 
 @pytest.mark.parametrize("tensor", [torch.ones(3), torch.zeros(2, 2, dtype=torch.bfloat16)])
 def test_the_wrapper_records_what_enter_and_returned_record(tensor: torch.Tensor) -> None:
-    by_wrapper, by_methods = Queue(), Queue()
+    by_wrapper, by_methods = Sink(), Sink()
     wrapper_clock, methods_clock = Clock(), Clock()
     traced = Recorder(job="j", attempt=2, node="n", rank=5, sink=by_wrapper, clock=wrapper_clock)
     reference = Recorder(job="j", attempt=2, node="n", rank=5, sink=by_methods,
@@ -94,7 +69,7 @@ def test_the_wrapper_records_what_enter_and_returned_record(tensor: torch.Tensor
 
 
 def test_inside_the_wrapped_call_it_shows_pending_and_after_it_complete() -> None:
-    recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=Queue(), clock=Clock())
+    recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=Sink(), clock=Clock())
     seen: list[tuple[int, int]] = []
 
     def inside() -> None:
@@ -109,14 +84,14 @@ def test_inside_the_wrapped_call_it_shows_pending_and_after_it_complete() -> Non
 
 
 def test_a_refused_record_is_counted_and_nothing_is_offered_once_disabled() -> None:
-    full = Queue(full=True)
+    full = Sink(full=True)
     recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=full, clock=Clock())
     all_reduce = wrapped_all_reduce(recorder)
     all_reduce(torch.ones(1))
     all_reduce(torch.ones(1))
     assert recorder.dropped == 2 and recorder.errors == 0
 
-    kept = Queue()
+    kept = Sink()
     recorder.sink = kept  # what the sink is at the call is what is used
     all_reduce(torch.ones(1))
     assert [i[5] for i in kept.items] == [3]
@@ -126,7 +101,7 @@ def test_a_refused_record_is_counted_and_nothing_is_offered_once_disabled() -> N
 
 
 def test_a_call_that_raises_is_recorded_failed_and_the_error_reaches_the_caller() -> None:
-    sink = Queue()
+    sink = Sink()
     recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=Clock())
 
     def boom() -> None:

@@ -5,29 +5,10 @@ from __future__ import annotations
 
 import threading
 
-from tracehound.agent.recorder import Pending, Recorder
+from recorder_fakes import Clock, Sink
+
+from tracehound.agent.recorder import Recorder
 from tracehound.tracing.events import GroupProgress
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000
-
-    def __call__(self) -> int:
-        self.now += 10
-        return self.now
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.items: list[Pending] = []
-
-    def offer(self, item: Pending) -> bool:
-        self.items.append(item)
-        return True
-
-    def flush(self, timeout: float) -> bool:
-        return True
 
 
 def progress(rec: Recorder) -> dict[str, GroupProgress]:
