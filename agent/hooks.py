@@ -34,10 +34,12 @@ gradient division and hook-less path, and a bucket's completion is seen without 
 the work (`_Reducer.settle`). The other steps are counted as with 0.
 `install_optimizer` counts training steps with a global optimizer step post-hook.
 
-A wrapper calls the original exactly as given and returns exactly what it returned; a user's
-exception is re-raised unchanged (after recording the operation as failed). Errors of the
-recording itself are swallowed and counted by the recorder. Nothing here may change what the
-training program computes or sees, block it, or add work per call that a record does not need.
+A wrapper calls the original with the arguments it was given, each bound to the same parameter
+(a one-tensor collective's wrapper passes them all explicitly, `_collective_source`), and
+returns exactly what it returned; a user's exception is re-raised unchanged (after recording the
+operation as failed). Errors of the recording itself are swallowed and counted by the recorder.
+Nothing here may change what the training program computes or sees, block it, or add work per
+call that a record does not need.
 
 Sequence ids: every collective (including barrier) takes the next id of its process group, so the
 same (group, seq) is the same call on every member. A wrapped function called from inside another
@@ -412,104 +414,30 @@ class _Installer:
     def wrap_collective(self, spec: _Spec, original: Callable[..., Any], *, leaf: bool
                         ) -> Callable[..., Any]:
         """`wrap` for a collective of one tensor or none (all_reduce, broadcast, barrier, ...):
-        the hot path of most jobs, with the wrapper's `begin` inlined and kwargs looked at only
-        when given (0.3 us less a call than the general wrapper). A synchronous call does what
-        the recorder's lock-free `Recorder.enter` and `Recorder.returned` do, inline, without
-        the two calls and the token's unpacking (about a tenth of the path: 1.7-1.8 against
-        1.9-2.0 us, the wrapper around a no-op timed in one process);
-        tests/agent/test_hot_path.py holds both to the same records. A `leaf` (whose code calls
-        no other wrapped function, `_is_leaf`) only reads the depth guard: nothing it calls
-        could be counted twice."""
+        the hot path of most jobs. The wrapper is compiled for `original`'s own parameters
+        (`_collective_source`): the interpreter binds them as it would for the original, the
+        group, async flag and tensor are plain names and the original is called with them
+        again, without packing the call into `*args, **kwargs` and looking into it (0.25 us of
+        about 1.7 a call on this project's machines). A synchronous call does what the
+        recorder's lock-free `Recorder.enter` and `Recorder.returned` do, inline;
+        tests/agent/test_hot_path.py holds the two to the same records. A `leaf` (whose code
+        calls no other wrapped function, `_is_leaf`) only reads the depth guard: nothing it
+        calls could be counted twice."""
         recorder = self.recorder
-        begin = recorder.begin
-        states, group_state = recorder.groups, recorder.group_state
-        wall, clock, time_ns = recorder.wall_clock, recorder.clock, time.time_ns
-        groups, dtypes, non_member = self.groups, self.dtypes, self.non_member
-        op = spec.op
-        # a parameter the function lacks is at a position no call reaches (one test, not two)
-        group_pos, async_pos, tensor_pos = (pos if pos >= 0 else sys.maxsize for pos in (
-            spec.group_pos, spec.async_pos, spec.tensor_pos))
-        tensor_name = spec.tensor_name if spec.tensor_pos >= 0 else ""
-        local = _local
-        plain_tensor = importlib.import_module("torch").Tensor
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if local.depth:
-                return original(*args, **kwargs)
-            token: Token | None = None
-            is_async = False
-            tensor = None
-            try:
-                n = len(args)
-                if kwargs:
-                    group = kwargs.get("group", args[group_pos] if group_pos < n else None)
-                    is_async = kwargs.get("async_op", args[async_pos] if async_pos < n else False)
-                    tensor = (kwargs.get(tensor_name, args[tensor_pos] if tensor_pos < n else None)
-                              if tensor_name else None)
-                else:
-                    group = args[group_pos] if group_pos < n else None
-                    is_async = args[async_pos] if async_pos < n else False
-                    tensor = args[tensor_pos] if tensor_pos < n else None
-                if group is None:
-                    default = groups.default
-                    name = default[1] if default is not None else groups.name(None)
-                elif group is non_member:
-                    name = ""
-                else:
-                    name = groups.name(group)
-                if name:
-                    if tensor is None:
-                        nbytes, dtype = 0, ""
-                    else:
-                        nbytes = tensor.nbytes
-                        dtype = dtypes.get(tensor.dtype) or groups.dtype(tensor)
-                    if is_async:
-                        token = begin(name, op, nbytes, dtype)
-                    else:  # Recorder.enter, inline: no lock (a new group is added under it)
-                        state = states.get(name) or group_state(name)
-                        seq = next(state.seqs)
-                        entered = time_ns() // 1000 if wall else clock()
-                        state.last = token = (state, seq, op, nbytes, dtype, -1, entered)
-            except Exception as exc:
-                recorder.note_error(op, exc)
-            counted = token[0].counted if token is not None else None
-            if counted is not None:  # DDP's group, its steps counted (_DdpCount)
-                before = counted.enter()
-            # a tensor subclass may dispatch back into this function (`__torch_function__`)
-            guard = not leaf or (tensor is not None and type(tensor) is not plain_tensor)
-            if guard:
-                local.depth = 1
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                if guard:
-                    local.depth = 0
-                if counted is not None:
-                    counted.around(before)
-                self.failed(token, op)
-                raise
-            if guard:
-                local.depth = 0
-            if counted is not None:
-                counted.around(before)
-            if token is not None:
-                try:
-                    if is_async:
-                        self.finish_work(op, token, result, ordered=True)
-                    else:  # Recorder.returned, inline
-                        now = time_ns() // 1000 if wall else clock()
-                        if seq > state.returned[0]:
-                            state.returned = (seq, now)
-                        if not recorder.disabled and not recorder.sink.offer((
-                            recorder.job, recorder.attempt, recorder.node, recorder.rank, name,
-                            seq, op, nbytes, dtype, -1, False, entered, now,
-                        )):
-                            recorder.count_dropped()
-                except Exception as exc:
-                    recorder.note_error(op, exc)
-            return result
-
+        namespace: dict[str, Any] = {
+            "_original": original, "_recorder": recorder, "_begin": recorder.begin,
+            "_states": recorder.groups, "_group_state": recorder.group_state,
+            "_clock": recorder.clock, "_time_ns": time.time_ns,
+            "_groups": self.groups, "_dtypes": self.dtypes, "_non_member": self.non_member,
+            "_op": spec.op, "_local": _local,
+            "_plain_tensor": importlib.import_module("torch").Tensor,
+            "_failed": self.failed, "_finish_work": self.finish_work,
+        }
+        source = _collective_source(original, spec, namespace, leaf=leaf,
+                                    wall_clock=recorder.wall_clock)
+        # the source is this module's template and the names of the function's own parameters
+        exec(compile(source, f"<tracehound wrapper of {spec.op}>", "exec"), namespace)  # noqa: S102
+        wrapper = functools.wraps(original)(namespace["wrapper"])
         setattr(wrapper, _WRAPPED, original)
         return wrapper
 
@@ -687,6 +615,160 @@ def _patch(modules: tuple[Any, ...], name: str, make: Callable[[Any], Any]) -> b
 
 
 _WRAPPED_NAMES = frozenset(COLLECTIVES + POINT_TO_POINT + ("batch_isend_irecv",))
+
+
+_COLLECTIVE_WRAPPER = '''
+    if _local.depth:
+        return _original(CALL)
+    _token = _counted = None
+    try:
+        if _group is None:
+            _default = _groups.default
+            _name = _default[1] if _default is not None else _groups.name(None)
+        elif _group is _non_member:
+            _name = ""
+        else:
+            _name = _groups.name(_group)
+        if _name:
+            if _tensor is None:
+                _nbytes, _dtype = 0, ""
+            else:
+                _nbytes = _tensor.nbytes
+                _dtype = _dtypes.get(_tensor.dtype) or _groups.dtype(_tensor)
+            if _async:
+                _token = _begin(_name, _op, _nbytes, _dtype)
+                _counted = _token[0].counted
+            else:  # Recorder.enter, inline: no lock (a new group is added under it)
+                _state = _states.get(_name) or _group_state(_name)
+                _seq = next(_state.seqs)
+                _entered = NOW
+                _state.last = _token = (_state, _seq, _op, _nbytes, _dtype, -1, _entered)
+                _counted = _state.counted
+    except Exception as _exc:
+        _recorder.note_error(_op, _exc)
+    if _counted is not None:  # DDP's group, its steps counted (_DdpCount)
+        _before = _counted.enter()
+    _guard = GUARD
+    if _guard:
+        _local.depth = 1
+    try:
+        _result = _original(CALL)
+    except BaseException:
+        if _guard:
+            _local.depth = 0
+        if _counted is not None:
+            _counted.around(_before)
+        _failed(_token, _op)
+        raise
+    if _guard:
+        _local.depth = 0
+    if _counted is not None:
+        _counted.around(_before)
+    if _token is not None:
+        try:
+            if _async:
+                _finish_work(_op, _token, _result, ordered=True)
+            else:  # Recorder.returned, inline (its _offer too)
+                _now = NOW
+                if _seq > _state.returned[0]:
+                    _state.returned = (_seq, _now)
+                _item = (_recorder.job, _recorder.attempt, _recorder.node, _recorder.rank,
+                         _name, _seq, _op, _nbytes, _dtype, -1, False, _entered, _now)
+                _queue = _recorder.queue
+                if _queue is not None and len(_queue) < _recorder.queue_bound:
+                    _queue.append(_item)
+                elif not _recorder.disabled and not _recorder.sink.offer(_item):
+                    _recorder.count_dropped()
+        except Exception as _exc:
+            _recorder.note_error(_op, _exc)
+    return _result
+'''
+"""The body of a one-tensor collective's wrapper (`_Installer.wrap_collective`), after one of
+two headers, which bind `_group`, `_async` and `_tensor`. Replaced in it when it is compiled:
+`CALL`, the arguments that call the original again as it was called; `NOW`, the recorder's clock
+in ns; `GUARD`, whether the call sets the depth guard (`_guard_expression`). Every name the body
+uses itself starts with `_`."""
+
+_ANY_HEADER = '''def wrapper(*args, **kwargs):
+    _n = len(args)
+    if kwargs:
+        _group = kwargs.get("group", args[{group_pos}] if {group_pos} < _n else None)
+        _async = kwargs.get("async_op", args[{async_pos}] if {async_pos} < _n else False)
+        _tensor = (kwargs.get({tensor_name}, args[{tensor_pos}] if {tensor_pos} < _n else None)
+                   if {tensor_name} else None)
+    else:
+        _group = args[{group_pos}] if {group_pos} < _n else None
+        _async = args[{async_pos}] if {async_pos} < _n else False
+        _tensor = args[{tensor_pos}] if {tensor_pos} < _n else None'''
+"""The header for a function whose parameters cannot be written out: the three are read from
+the call as given (a parameter the function lacks is at a position no call reaches)."""
+
+
+def _guard_expression(spec: _Spec, leaf: bool) -> str:
+    """When a call sets the depth guard: always, unless `leaf` (its code calls no wrapped
+    function, `_is_leaf`); a leaf's call with a tensor subclass too, which may dispatch back
+    into the same function (`__torch_function__`: all_reduce does)."""
+    if not leaf:
+        return "True"
+    if spec.tensor_pos < 0:
+        return "False"
+    return "type(_tensor) is not _plain_tensor and _tensor is not None"
+
+
+def _collective_source(original: Callable[..., Any], spec: _Spec, namespace: dict[str, Any],
+                       *, leaf: bool, wall_clock: bool) -> str:
+    """The source of the wrapper of `original`: with `original`'s own parameters and their
+    defaults (put in `namespace` as `_default_<i>`) when they can be written out, else with
+    `*args, **kwargs` (`*args`, `**kwargs`, positional-only parameters, a name starting with
+    `_`, the body's own, or a decorator with parameters of its own). The original then gets
+    every argument explicitly, bound to the parameter it was given for (a default as the
+    default object itself). `leaf`: see `_guard_expression`; `wall_clock`: the recorder's clock
+    is `time.time_ns` (else its `clock()`, in us, times 1000)."""
+    body = (_COLLECTIVE_WRAPPER.replace("NOW", "_time_ns()" if wall_clock else "_clock() * 1000")
+            .replace("GUARD", _guard_expression(spec, leaf)))
+    try:
+        signature = inspect.signature(original)
+        outer = inspect.signature(original, follow_wrapped=False)
+    except (TypeError, ValueError):
+        parameters = []
+        fixed = False
+    else:
+        parameters = list(signature.parameters.values())
+        # a decorator (torch's loggers) takes *args, **kwargs and passes them on: the inner
+        # signature is what it accepts. One that declares parameters of its own may accept
+        # more than the inner one.
+        forwards = [p.kind for p in outer.parameters.values()] == [
+            inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+        fixed = (outer == signature or forwards) and all(
+            p.name.isidentifier() and not p.name.startswith("_")
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in parameters)
+    if not fixed:
+        group_pos, async_pos, tensor_pos = (pos if pos >= 0 else sys.maxsize for pos in (
+            spec.group_pos, spec.async_pos, spec.tensor_pos))
+        header = _ANY_HEADER.format(
+            group_pos=group_pos, async_pos=async_pos, tensor_pos=tensor_pos,
+            tensor_name=repr(spec.tensor_name if spec.tensor_pos >= 0 else ""))
+        return header + body.replace("CALL", "*args, **kwargs")
+    declared: list[str] = []
+    passed: list[str] = []
+    for index, p in enumerate(parameters):
+        if p.kind is p.KEYWORD_ONLY and "*" not in declared:
+            declared.append("*")
+        if p.default is p.empty:
+            declared.append(p.name)
+        else:
+            namespace[f"_default_{index}"] = p.default
+            declared.append(f"{p.name}=_default_{index}")
+        passed.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
+    names = [p.name for p in parameters]
+
+    def read(pos: int, absent: str) -> str:
+        return names[pos] if pos >= 0 else absent
+
+    header = (f"def wrapper({', '.join(declared)}):\n"
+              f"    _group, _async, _tensor = {read(spec.group_pos, 'None')}, "
+              f"{read(spec.async_pos, 'False')}, {read(spec.tensor_pos, 'None')}")
+    return header + body.replace("CALL", ", ".join(passed))
 
 
 def _is_leaf(fn: Callable[..., Any], depth: int = 3) -> bool:

@@ -19,6 +19,7 @@ the sender's thread.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -58,8 +59,10 @@ Clock = Callable[[], int]
 
 RawCollective = tuple[str, int, str, int, str, int, str, int, str, int, bool, int, int]
 """A collective event before it becomes a record: (job, attempt, node, rank, group, seq, op,
-nbytes, dtype, peer, failed, enqueue_us, complete_us). Tuples cost ~0.04 us to build on the
-training thread; the frozen dataclass costs ~5 us, so it is built on the sender's thread."""
+nbytes, dtype, peer, failed, enqueue_ns, complete_ns). Tuples cost ~0.04 us to build on the
+training thread; the frozen dataclass costs ~5 us, so it is built on the sender's thread. Its
+times are nanoseconds, as read (`time.time_ns()`): the division to microseconds (0.08 us a
+clock read here) is left to the sender too."""
 
 Pending = Record | RawCollective
 """What the recorder hands to its sink."""
@@ -85,13 +88,18 @@ def materialize(item: Pending) -> Record:
             job=JobId(job), attempt=attempt, node=NodeId(node), rank=Rank(rank),
             group=GroupId(group), seq=seq, op=op, nbytes=nbytes, dtype=dtype, peer=peer,
             state=CollectiveState.FAILED if failed else CollectiveState.COMPLETED,
-            enqueue_us=enq, complete_us=comp,
+            enqueue_us=enq // 1000, complete_us=comp // 1000,
         )
     return item
 
 
 class RecordSink(Protocol):
-    """Where a recorder puts its records; `offer` must return at once."""
+    """Where a recorder puts its records; `offer` must return at once.
+
+    A sink whose queue is a deque may also have `direct_queue()` -> (deque, bound): the
+    recorder then appends its collectives' items to that deque itself while it holds fewer
+    than `bound` (no call to `offer`: 0.08 us of a record), and calls `offer` only when it is
+    full (to have the refusal counted)."""
 
     def offer(self, item: Pending) -> bool:
         """Queue an item; False when it was dropped (queue full)."""
@@ -103,7 +111,9 @@ class RecordSink(Protocol):
 
 
 class _Group:
-    """Progress of this rank in one process group.
+    """Progress of this rank in one process group. Its times (`done`, `returned`, a token's
+    entry) are nanoseconds since the epoch, as the hot path reads them; what leaves it for a
+    heartbeat is in microseconds.
 
     Calls that may end on another thread (async work, failures, counted progress) update it
     under the recorder's lock. A synchronous call (`Recorder.enter`/`returned`, the common
@@ -122,10 +132,10 @@ class _Group:
         """The token of the latest call entered (its seq is `last_enqueued`): while it is
         pending, its op, size and dtype are what a heartbeat reports as pending."""
         self.done: tuple[int, int] = (0, 0)
-        """(seq, us) of the latest completion seen under the lock: async ends, failures,
+        """(seq, ns) of the latest completion seen under the lock: async ends, failures,
         counted progress."""
         self.returned: tuple[int, int] = (0, 0)
-        """(seq, us) of the latest synchronous call returned (`Recorder.returned`)."""
+        """(seq, ns) of the latest synchronous call returned (`Recorder.returned`)."""
         # async calls entered and not yet ended: seq -> their token. Bounded: past the cap
         # newer calls are not added, so the oldest (what a heartbeat reports) stays right.
         self.in_flight: dict[int, Token] = {}
@@ -151,7 +161,7 @@ class _Group:
         return self._completed()[0]
 
     def snapshot(self) -> tuple[int, int, Token | None]:
-        """(last completed seq, its time, latest token entered), read in that order so that a
+        """(last completed seq, its time in ns, latest token entered), read in that order so that a
         synchronous call entered and returned meanwhile shows as pending rather than as
         completed before it was entered."""
         done, done_us = self._completed()
@@ -171,7 +181,7 @@ class _Group:
         return (seq, op, nbytes, dtype)
 
     def pending_since(self) -> int:
-        """When the oldest call in flight after the last completed one was entered (us); 0 when
+        """When the oldest call in flight after the last completed one was entered (ns); 0 when
         no call is pending. (Under the recorder's lock.)"""
         done, _, last = self.snapshot()
         if last is None or done >= last[1]:
@@ -184,16 +194,16 @@ class _Group:
 
     def progress(self) -> GroupProgress:
         """This group's part of a heartbeat. (Under the recorder's lock.)"""
-        done, done_us, last = self.snapshot()
+        done, done_ns, last = self.snapshot()
         oldest_seq, oldest_op, oldest_nbytes, oldest_dtype = self.oldest(done, last)
         enqueued, enqueue_us, op, nbytes, dtype = 0, 0, "", 0, ""
         if last is not None:
-            enqueued, enqueue_us = last[1], last[6]
+            enqueued, enqueue_us = last[1], last[6] // 1000
             if enqueued > done:  # pending: its op, size and dtype
                 op, nbytes, dtype = last[2], last[3], last[4]
         return GroupProgress(
             group=GroupId(self.name), last_enqueued=enqueued, last_completed=done,
-            pending_op=op, last_enqueue_us=enqueue_us, last_complete_us=done_us,
+            pending_op=op, last_enqueue_us=enqueue_us, last_complete_us=done_ns // 1000,
             pending_nbytes=nbytes, pending_dtype=dtype,
             oldest_seq=oldest_seq, oldest_op=oldest_op, oldest_nbytes=oldest_nbytes,
             oldest_dtype=oldest_dtype,
@@ -208,7 +218,7 @@ def _with_live(refs: list[weakref.WeakMethod[Callable[[], None]]], method: Calla
 
 
 Token = tuple[_Group, int, str, int, str, int, int]
-"""What `begin` returns and `end` takes: (group, seq, op, nbytes, dtype, peer, enqueue_us)."""
+"""What `begin` returns and `end` takes: (group, seq, op, nbytes, dtype, peer, enqueue_ns)."""
 
 
 class Recorder:
@@ -232,13 +242,18 @@ class Recorder:
         self.attempt = attempt
         self.node = node
         self.rank = rank
+        self.disabled = False
+        """Set by `disable`: nothing is recorded any more (read by the hooks' inlined path)."""
+        self.queue: collections.deque[Pending] | None = None
+        """The sink's deque, when it has one (`RecordSink`) and recording is on: the hot paths
+        append to it directly while it holds fewer than `queue_bound`."""
+        self.queue_bound = 0
         self.sink = sink
-        self._nudge: Callable[[], None] | None = getattr(sink, "nudge", None)
-        """The sink's way to send what it holds at once, if it has one (SocketTransport)."""
         self.clock = clock
         self.wall_clock = clock is now_us
-        """The clock is the wall clock: the hot paths read it inline (`_time_ns() // 1000`),
-        without the Python call (0.05 us of the 2 us a record may cost)."""
+        """The clock is the wall clock: the hot paths read `time.time_ns()` inline, without a
+        Python call (0.05 us of a record). Otherwise the group progress times are `clock()`
+        times 1000."""
         self.heartbeat_s = heartbeat_s
         self.inflight_s = inflight_s
         """A call pending longer than this switches heartbeats to `inflight_heartbeat_s`."""
@@ -251,8 +266,6 @@ class Recorder:
         looks a group up here and calls `group_state` for a new one)."""
         self._dropped = 0
         self._errors = 0
-        self.disabled = False
-        """Set by `disable`: nothing is recorded any more (read by the hooks' inlined path)."""
         # Steps: step = start_step + steps of the lead optimizer (or what set_step said).
         self._start_step = 0
         self._step_base = 0
@@ -277,6 +290,25 @@ class Recorder:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def sink(self) -> RecordSink:
+        """Where the records go (the node agent's transport)."""
+        return self._sink
+
+    @sink.setter
+    def sink(self, sink: RecordSink) -> None:
+        self._sink = sink
+        self._nudge: Callable[[], None] | None = getattr(sink, "nudge", None)
+        """The sink's way to send what it holds at once, if it has one (SocketTransport)."""
+        self._take_queue()
+
+    def _take_queue(self) -> None:
+        direct = getattr(self._sink, "direct_queue", None)
+        if direct is None or self.disabled:
+            self.queue, self.queue_bound = None, 0
+        else:
+            self.queue, self.queue_bound = direct()
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -303,10 +335,16 @@ class Recorder:
                 log.warning("tracehound recorder error in %s (rank %s): %r", where, self.rank, exc)
 
     def _offer(self, item: Pending) -> None:
+        """Queue `item` (appended to the sink's deque while it has room, else offered: a
+        refusal is counted); never raises."""
+        queue = self.queue
+        if queue is not None and len(queue) < self.queue_bound:
+            queue.append(item)
+            return
         if self.disabled:
             return
         try:
-            if not self.sink.offer(item):
+            if not self._sink.offer(item):
                 self._dropped += 1
         except Exception as exc:
             self.note_error("sink.offer", exc)
@@ -328,7 +366,7 @@ class Recorder:
         """This rank enters an operation of a group that may end on another thread (async work,
         a future's callback): the group's next sequence id is taken and the call is kept in
         flight until `end`. A call that returns complete uses `enter`/`returned`."""
-        now = _time_ns() // 1000 if self.wall_clock else self.clock()
+        now = _time_ns() if self.wall_clock else self.clock() * 1000
         # acquire/release rather than `with`: half the cost (0.06 against 0.15 us)
         lock = self._lock
         lock.acquire()
@@ -359,7 +397,7 @@ class Recorder:
         (`hooks._Installer.wrap_collective`) does what `enter` and `returned` do inline, to save
         the two calls: a change here is a change there (tests/agent/test_hot_path.py holds them
         to the same records)."""
-        now = _time_ns() // 1000 if self.wall_clock else self.clock()
+        now = _time_ns() if self.wall_clock else self.clock() * 1000
         # a new group is added under the lock: the heartbeat thread iterates the groups under it
         group = self._groups.get(group_name) or self.group_state(group_name)
         token = (group, next(group.seqs), op, nbytes, dtype, -1, now)
@@ -369,24 +407,16 @@ class Recorder:
     def returned(self, token: Token) -> None:
         """The synchronous call of `token` (`enter`) returned: queue its event."""
         group, seq, op, nbytes, dtype, peer, enqueued = token
-        now = _time_ns() // 1000 if self.wall_clock else self.clock()
+        now = _time_ns() if self.wall_clock else self.clock() * 1000
         if seq > group.returned[0]:
             group.returned = (seq, now)
-        if self.disabled:
-            return
-        try:
-            if not self.sink.offer((
-                self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes, dtype,
-                peer, False, enqueued, now,
-            )):
-                self._dropped += 1
-        except Exception as exc:
-            self.note_error("sink.offer", exc)
+        self._offer((self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes,
+                     dtype, peer, False, enqueued, now))
 
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
         """The operation `token` finished (ok) or failed on this rank; queue its event."""
         group, seq, op, nbytes, dtype, token_peer, enqueued = token
-        now = _time_ns() // 1000 if self.wall_clock else self.clock()
+        now = _time_ns() if self.wall_clock else self.clock() * 1000
         lock = self._lock
         lock.acquire()
         try:
@@ -395,19 +425,15 @@ class Recorder:
                 group.done = (seq, now)
         finally:
             lock.release()
-        if self.disabled:
-            return
-        try:  # _offer, inline
-            if not self.sink.offer((
-                self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes, dtype,
-                token_peer if peer is None else peer, not ok, enqueued, now,
-            )):
-                self._dropped += 1
-        except Exception as exc:
-            self.note_error("sink.offer", exc)
+        self._offer((self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes,
+                     dtype, token_peer if peer is None else peer, not ok, enqueued, now))
 
     def now_us(self) -> int:
         return _time_ns() // 1000 if self.wall_clock else self.clock()
+
+    def now_ns(self) -> int:
+        """The clock of the group progress times (`_Group`)."""
+        return _time_ns() if self.wall_clock else self.clock() * 1000
 
     def counted(self, group_name: str, op: str, entered: int, completed: int = -1, *,
                 entered_us: int = 0) -> None:
@@ -416,11 +442,11 @@ class Recorder:
         `entered_us`, or now), the first `completed` of them known complete (-1: no news).
         Neither goes back. The group's heartbeat shows `op` pending while entered >
         completed."""
-        now = self.now_us()
+        now = self.now_ns()
         with self._lock:
             group = self._group(group_name)
             if entered > group.last_enqueued:
-                group.last = (group, entered, op, 0, "", -1, entered_us or now)
+                group.last = (group, entered, op, 0, "", -1, entered_us * 1000 or now)
             if completed > group.last_completed:
                 group.done = (min(completed, group.last_enqueued), now)
 
@@ -428,7 +454,7 @@ class Recorder:
         """Record a completed operation of a counted group (`counted`) from `enqueue_us` to
         now."""
         self._offer((self.job, self.attempt, self.node, self.rank, group_name, seq, op, 0, "",
-                     -1, False, enqueue_us, self.now_us()))
+                     -1, False, enqueue_us * 1000, self.now_ns()))
 
     def poll_later(self, work: Any, token: Token, *, ordered: bool = False) -> None:
         """Watch an async work without a future (gloo send/recv) from the heartbeat thread.
@@ -579,7 +605,7 @@ class Recorder:
                 t = g.pending_since()
                 if t and (not since or t < since):
                     since = t
-        return since
+        return since // 1000
 
     def heartbeat_interval_s(self, now_us: int, since_us: int | None = None) -> float:
         """The heartbeat interval now: `inflight_heartbeat_s` while a call has been pending for
@@ -665,6 +691,7 @@ class Recorder:
     def disable(self) -> None:
         """Stop recording for good (e.g. in a forked child, whose threads did not survive)."""
         self.disabled = True
+        self._take_queue()
         self._stop.set()
 
 

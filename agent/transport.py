@@ -23,7 +23,8 @@ not be encoded). A line is always written whole on one connection: a write cut s
 connection is written again from the start of the first unacknowledged line (the agent rejects
 the fragment it got).
 
-It must never block or raise into the training thread: `offer` is a length check and an append.
+It must never block or raise into the training thread: `offer` is a length check and an append
+(which the recorder's hot path does itself on `direct_queue`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ class SocketTransport:
             return False
         self._queue.append(item)
         return True
+
+    def direct_queue(self) -> tuple[collections.deque[Pending], int]:
+        """(the queue, its bound) for the recorder's hot path, which appends to it itself while
+        it is below the bound and calls `offer` when it is not (`recorder.RecordSink`)."""
+        return self._queue, self.bound
 
     def nudge(self) -> None:
         """Send what is queued now rather than at the next `poll_s` tick (for a record the

@@ -20,34 +20,50 @@ from recorder_fakes import Clock, Sink
 
 from tracehound.agent import hooks
 from tracehound.agent.recorder import Recorder
+from tracehound.agent.transport import SocketTransport
+
+HEADERS = ["parameters written out", "*args, **kwargs"]
 
 
-def wrapped_all_reduce(recorder: Recorder, inside: Callable[[], None] = lambda: None,
-                       ) -> Callable[..., Any]:
-    """all_reduce's wrapper from the real installer, around a no-op that calls `inside`."""
+def wrapped_all_reduce(recorder: Recorder, inside: Callable[..., None] = lambda *a, **k: None,
+                       header: str = HEADERS[0]) -> Callable[..., Any]:
+    """all_reduce's wrapper from the real installer, around a stand-in that calls `inside`
+    with what it was given. With all_reduce's signature the wrapper takes the same parameters;
+    a stand-in that also takes `*rest` gets the wrapper that reads them from `*args,
+    **kwargs` (the same body: `hooks._collective_source`)."""
+    if header == HEADERS[0]:
+        def stand_in(*args: Any, **kwargs: Any) -> None:
+            inside(*args, **kwargs)
 
-    def stand_in(*args: Any, **kwargs: Any) -> None:
-        inside()
+        stand_in.__signature__ = inspect.signature(dist.all_reduce)  # type: ignore[attr-defined]
+    else:
+        def stand_in(tensor: Any, op: Any = dist.ReduceOp.SUM,  # type: ignore[misc]
+                     group: Any = None, async_op: bool = False, *rest: Any) -> None:
+            inside(tensor, op, group, async_op, *rest)
 
-    stand_in.__signature__ = inspect.signature(dist.all_reduce)  # type: ignore[attr-defined]
     installer = hooks._Installer(recorder, dist, on_group=lambda: None)
     installer.groups.default = (object(), "0")
     spec = hooks._spec("all_reduce", stand_in)
-    return installer.wrap_collective(spec, stand_in, leaf=True)
+    wrapper = installer.wrap_collective(spec, stand_in, leaf=True)
+    source = hooks._collective_source(stand_in, spec, {}, leaf=True, wall_clock=False)
+    assert source.startswith("def wrapper(*args" if header == HEADERS[1] else "def wrapper(tensor")
+    return wrapper
 
 
 def without_times(item: tuple[Any, ...]) -> tuple[Any, ...]:
     return item[:-2]
 
 
+@pytest.mark.parametrize("header", HEADERS)
 @pytest.mark.parametrize("tensor", [torch.ones(3), torch.zeros(2, 2, dtype=torch.bfloat16)])
-def test_the_wrapper_records_what_enter_and_returned_record(tensor: torch.Tensor) -> None:
+def test_the_wrapper_records_what_enter_and_returned_record(tensor: torch.Tensor, header: str
+                                                            ) -> None:
     by_wrapper, by_methods = Sink(), Sink()
     wrapper_clock, methods_clock = Clock(), Clock()
     traced = Recorder(job="j", attempt=2, node="n", rank=5, sink=by_wrapper, clock=wrapper_clock)
     reference = Recorder(job="j", attempt=2, node="n", rank=5, sink=by_methods,
                          clock=methods_clock)
-    all_reduce = wrapped_all_reduce(traced)
+    all_reduce = wrapped_all_reduce(traced, header=header)
     dtype = str(tensor.dtype).removeprefix("torch.")
     for _ in range(3):
         all_reduce(tensor)
@@ -68,15 +84,55 @@ def test_the_wrapper_records_what_enter_and_returned_record(tensor: torch.Tensor
     assert mine.in_flight == theirs.in_flight == {}
 
 
-def test_inside_the_wrapped_call_it_shows_pending_and_after_it_complete() -> None:
+@pytest.mark.parametrize("header", HEADERS)
+def test_the_original_gets_each_argument_for_its_parameter(header: str) -> None:
+    signature = inspect.signature(dist.all_reduce)
+    got: list[dict[str, Any]] = []
+
+    def inside(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        got.append(dict(bound.arguments))
+
+    recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=Sink(), clock=Clock())
+    all_reduce = wrapped_all_reduce(recorder, inside, header)
+    t, group, avg, plain = torch.ones(2), object(), dist.ReduceOp.AVG, dist.ReduceOp.SUM
+    all_reduce(t)
+    all_reduce(t, avg)
+    all_reduce(t, group=group)
+    all_reduce(async_op=False, tensor=t, op=avg)
+    assert [(a["tensor"], a["op"], a["group"], a["async_op"]) for a in got] == [
+        (t, plain, None, False), (t, avg, None, False), (t, plain, group, False),
+        (t, avg, None, False)]
+    with pytest.raises(TypeError):
+        all_reduce(t, nonsense=1)  # refused, as the original refuses it
+    assert len(got) == 4
+
+
+def test_records_go_straight_onto_the_transports_queue_until_it_is_full() -> None:
+    transport = SocketTransport("/nonexistent/agent.sock", bound=2)  # never started
+    recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=transport, clock=Clock())
+    all_reduce = wrapped_all_reduce(recorder)
+    for _ in range(3):
+        all_reduce(torch.ones(1))
+    assert [item[5] for item in transport._queue] == [1, 2]
+    assert (transport.dropped, recorder.dropped) == (1, 1)  # the third, refused by offer
+    transport._queue.clear()
+    recorder.disable()
+    all_reduce(torch.ones(1))
+    assert len(transport) == 0 and recorder.dropped == 1
+
+
+@pytest.mark.parametrize("header", HEADERS)
+def test_inside_the_wrapped_call_it_shows_pending_and_after_it_complete(header: str) -> None:
     recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=Sink(), clock=Clock())
     seen: list[tuple[int, int]] = []
 
-    def inside() -> None:
+    def inside(*args: Any, **kwargs: Any) -> None:
         state = recorder.groups["0"]
         seen.append((state.last_enqueued, state.last_completed))
 
-    all_reduce = wrapped_all_reduce(recorder, inside)
+    all_reduce = wrapped_all_reduce(recorder, inside, header)
     all_reduce(torch.ones(1))
     all_reduce(torch.ones(1))
     assert seen == [(1, 0), (2, 1)]
@@ -104,7 +160,7 @@ def test_a_call_that_raises_is_recorded_failed_and_the_error_reaches_the_caller(
     sink = Sink()
     recorder = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=Clock())
 
-    def boom() -> None:
+    def boom(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("connection reset by peer")
 
     all_reduce = wrapped_all_reduce(recorder, boom)
