@@ -1003,8 +1003,8 @@ class _DdpCount:
     on the GPU counts as completed there. Calls that bypass the wrappers (a process group's own
     methods) count as DDP's."""
 
-    __slots__ = ("__weakref__", "base", "busy", "count", "forward_us", "groups", "mark",
-                 "name", "outside", "recorded", "recorder", "shift", "span_us")
+    __slots__ = ("__weakref__", "base", "begun", "count", "ended", "forward_us", "groups",
+                 "mark", "name", "outside", "recorded", "recorder", "shift", "span_us")
 
     def __init__(self, recorder: Recorder, name: str, count: Callable[[], int],
                  span_s: float = 0.0) -> None:
@@ -1015,8 +1015,12 @@ class _DdpCount:
         self.base = int(count())
         self.outside = 0
         """Backend ops of the calls the wrappers recorded since `base`."""
-        self.busy = 0
-        """Recorded calls of the group in progress (their ops are not told apart yet)."""
+        self.begun = 0
+        """Recorded calls of the group begun (`enter`); while more than have `ended`, their ops
+        are not told apart from DDP's yet. Two counters that only grow, written by the
+        training thread alone: the heartbeat thread sees whether a call began (and maybe ended)
+        while it read the counter (`seen`)."""
+        self.ended = 0
         self.groups: list[Any] = []
         """The recorder's groups whose calls are read around (the real one, its p2p pairs)."""
         self.forward_us = 0
@@ -1045,14 +1049,14 @@ class _DdpCount:
 
     def enter(self) -> int:
         """A recorded call of the group begins: the counter before it (for `around`)."""
-        self.busy += 1
+        self.begun += 1
         return int(self.count())
 
     def around(self, before: int) -> None:
         """A recorded call that began with the counter at `before` (`enter`) returned or
         raised."""
         self.outside += int(self.count()) - before
-        self.busy -= 1
+        self.ended += 1
 
     def ops(self) -> int:
         return int(self.count()) - self.base - self.outside
@@ -1060,10 +1064,13 @@ class _DdpCount:
     def seen(self) -> None:
         """What has been issued (a watcher: the heartbeat thread, before each heartbeat; a
         training step's end and a forward's start tell it on the training thread)."""
-        if self.busy:
+        begun = self.begun
+        if begun != self.ended:
             return
         n = self.ops()
-        if not self.busy:  # again: a recorded call may have begun on the training thread
+        # again: a recorded call may have begun, issued its op and even ended on the training
+        # thread while the counter was read (the count would then include its op for good)
+        if self.begun == begun and self.ended == begun:
             self.recorder.counted(self.name, "ddp_comm", n)
 
     def started(self, *_: Any) -> None:
@@ -1071,7 +1078,7 @@ class _DdpCount:
         buffer broadcast: the training thread): all issued so far is done. Nothing while
         torch.compile traces the model (it would break its graph; a compiled forward goes
         without)."""
-        if not self.busy and not _compiling():
+        if self.begun == self.ended and not _compiling():
             n = self.ops()
             self.recorder.counted(self.name, "ddp_comm", n, n)
 
@@ -1084,7 +1091,7 @@ class _DdpCount:
     def done(self) -> None:
         """A training step ended (a step hook: the training thread): all issued is done, and
         the step is recorded if it had a forward and issued something."""
-        if self.busy:
+        if self.begun != self.ended:
             return
         n = self.ops()
         recorder = self.recorder
