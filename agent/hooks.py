@@ -1040,7 +1040,16 @@ class _DdpCount:
         self.groups.append(group)
 
     def detach(self) -> None:
-        """The process group goes (destroy_process_group): stop reading its counter."""
+        """The process group goes (destroy_process_group, on the training thread): what it
+        issued is counted one last time, as completed (nothing of the group is pending once
+        it is gone; the heartbeat thread may not have looked since the last ops), then its
+        counter is no longer read."""
+        try:
+            if self.begun == self.ended:
+                n = self.ops()
+                self.recorder.counted(self.name, "ddp_comm", n, n)
+        except Exception as exc:
+            self.recorder.note_error("DDP count at destroy_process_group", exc)
         for group in self.groups:
             if group.counted is self:
                 group.counted = None
@@ -1065,7 +1074,7 @@ class _DdpCount:
         """What has been issued (a watcher: the heartbeat thread, before each heartbeat; a
         training step's end and a forward's start tell it on the training thread)."""
         begun = self.begun
-        if begun != self.ended:
+        if begun != self.ended or self.count is _no_count:  # busy, or the group is gone
             return
         n = self.ops()
         # again: a recorded call may have begun, issued its op and even ended on the training

@@ -1,6 +1,7 @@
 """A counted DDP group's heartbeat count (`hooks._DdpCount.seen`, on the heartbeat thread) never
 takes in the op of a call the wrappers recorded (a Python comm hook's `dist.all_reduce`): such a
-call's op is the user's, not DDP's, and a count once reported never goes back.
+call's op is the user's, not DDP's, and a count once reported never goes back. And it ends at
+the group's last op: destroying the group counts what the heartbeat thread had not seen yet.
 
 The heartbeat thread reads c10d's counter, then the ops recorded calls issued (`outside`), then
 checks that no recorded call was in progress. The training thread may run a whole call between
@@ -20,9 +21,11 @@ class Recorder:
 
     def __init__(self) -> None:
         self.reported: list[int] = []
+        self.completed: list[int] = []
 
-    def counted(self, _name: str, _op: str, entered: int, *_: Any) -> None:
+    def counted(self, _name: str, _op: str, entered: int, completed: int = -1) -> None:
         self.reported.append(entered)
+        self.completed.append(completed)
 
     def now_us(self) -> int:
         return 0
@@ -93,3 +96,18 @@ def test_nothing_is_reported_while_a_recorded_call_is_in_progress() -> None:
     count.around(before)
     count.seen()
     assert recorder.reported == [0]
+
+
+def test_the_last_ops_are_counted_when_the_group_is_destroyed() -> None:
+    """The heartbeat thread may not have looked since the last ops: destroying the group counts
+    them, as completed (the group is gone, nothing of it pending), and stops reading the
+    counter."""
+    count, counter, recorder = a_count()
+    counter.value = 5
+    count.seen()
+    counter.value = 8  # the last step's buckets, not looked at yet
+    count.detach()
+    assert (recorder.reported, recorder.completed) == ([5, 8], [-1, 8])
+    counter.value = 20  # whatever the counter does afterwards is not read
+    count.seen()
+    assert recorder.reported == [5, 8]
