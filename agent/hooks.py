@@ -1045,9 +1045,7 @@ class _DdpCount:
         it is gone; the heartbeat thread may not have looked since the last ops), then its
         counter is no longer read."""
         try:
-            if self.begun == self.ended:
-                n = self.ops()
-                self.recorder.counted(self.name, "ddp_comm", n, n)
+            self._all_complete()
         except Exception as exc:
             self.recorder.note_error("DDP count at destroy_process_group", exc)
         for group in self.groups:
@@ -1070,6 +1068,16 @@ class _DdpCount:
     def ops(self) -> int:
         return int(self.count()) - self.base - self.outside
 
+    def _all_complete(self) -> int | None:
+        """Everything issued so far is complete (on the training thread: a forward's start, a
+        step's end, the group's end): counted so, unless a recorded call is in progress (its
+        ops are not told apart yet). The count, or None when nothing was counted."""
+        if self.begun != self.ended:
+            return None
+        n = self.ops()
+        self.recorder.counted(self.name, "ddp_comm", n, n)
+        return n
+
     def seen(self) -> None:
         """What has been issued (a watcher: the heartbeat thread, before each heartbeat; a
         training step's end and a forward's start tell it on the training thread)."""
@@ -1087,9 +1095,8 @@ class _DdpCount:
         buffer broadcast: the training thread): all issued so far is done. Nothing while
         torch.compile traces the model (it would break its graph; a compiled forward goes
         without)."""
-        if self.begun == self.ended and not _compiling():
-            n = self.ops()
-            self.recorder.counted(self.name, "ddp_comm", n, n)
+        if not _compiling():
+            self._all_complete()
 
     def forwarded(self, *_: Any) -> None:
         """A forward of the model ended (after DDP's `_post_forward`; nothing while
@@ -1100,11 +1107,10 @@ class _DdpCount:
     def done(self) -> None:
         """A training step ended (a step hook: the training thread): all issued is done, and
         the step is recorded if it had a forward and issued something."""
-        if self.begun != self.ended:
+        n = self._all_complete()
+        if n is None:
             return
-        n = self.ops()
         recorder = self.recorder
-        recorder.counted(self.name, "ddp_comm", n, n)
         since, self.forward_us = self.forward_us, 0
         last = self.recorded
         if since and n > last:

@@ -164,8 +164,8 @@ class _Group:
         """(last completed seq, its time in ns, latest token entered), read in that order so that a
         synchronous call entered and returned meanwhile shows as pending rather than as
         completed before it was entered."""
-        done, done_us = self._completed()
-        return done, done_us, self.last
+        done, done_ns = self._completed()
+        return done, done_ns, self.last
 
     def oldest(self, done: int, last: Token | None) -> tuple[int, str, int, str]:
         """The oldest call in flight after the last completed one (`done`), when more than one
