@@ -44,7 +44,8 @@ call that a record does not need.
 Sequence ids: every collective (including barrier) takes the next id of its process group, so the
 same (group, seq) is the same call on every member. A wrapped function called from inside another
 (torch's object collectives run two or three tensor collectives; send runs isend; the aliases call
-each other) is not recorded again: a thread-local depth guard lets only the outermost call count.
+each other) is not recorded again: a per-thread depth guard (`_inside`) lets only the outermost
+call count.
 Every member of an object collective runs the same internal calls (gather_object all-gathers the
 sizes and gathers on every member, scatter_object_list broadcasts the size and scatters twice on
 every member, ...), so counting the outer call alone keeps the ids aligned on all members.
@@ -84,7 +85,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tracehound.agent.recorder import Recorder, Token
+from tracehound.agent.recorder import Dtype, Recorder, Token
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +116,13 @@ _TENSOR_LIST_PARAMS = ("input_tensor_list", "input_list", "tensors")
 _WRAPPED = "__tracehound_wrapped__"
 
 
-class _Local(threading.local):
-    depth = 0
+_inside: set[int] = set()
+"""The threads (idents) inside a wrapped call that guards against nested ones (the depth guard,
+`_guard_expression`): a call made while its thread is in here is passed on unrecorded. A set
+read as a global rather than a thread-local attribute: the common call (no thread is inside)
+checks only that it is empty (0.01 us against 0.04 for the attribute)."""
 
-
-_local = _Local()
+_get_ident = threading.get_ident
 
 _installer: _Installer | None = None
 """The installer of `install_distributed`, once it ran: DDP names its groups alike."""
@@ -174,18 +177,6 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> 
     return None
 
 
-_DTYPE_NAMES: dict[Any, str] = {}
-"""torch dtype -> its name without "torch." (what records carry), filled as dtypes are met."""
-
-
-def _dtype_name(dtype: Any) -> str:
-    """The name of `dtype` (cached in `_DTYPE_NAMES`; look there first on a hot path)."""
-    text = _DTYPE_NAMES.get(dtype)
-    if text is None:
-        text = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return text
-
-
 class _Groups:
     """Names of process groups, cached; the cache is cleared when groups are destroyed.
 
@@ -197,7 +188,6 @@ class _Groups:
         self.first_seen = first_seen
         self.default: tuple[Any, str] | None = None
         self.by_id: dict[int, tuple[Any, str]] = {}
-        self.dtypes = _DTYPE_NAMES
 
     def clear(self) -> None:
         self.default = None
@@ -216,9 +206,6 @@ class _Groups:
             self.first_seen(group)
         return hit[1]
 
-    def dtype(self, tensor: Any) -> str:
-        return _dtype_name(tensor.dtype)
-
 
 class _Installer:
     """Holds what the wrappers share: the recorder, torch's modules, the group-name cache."""
@@ -228,7 +215,6 @@ class _Installer:
         self.dist = dist
         self.c10d = dist.distributed_c10d
         self.groups = _Groups(self.c10d, self.first_seen)
-        self.dtypes = self.groups.dtypes
         self.non_member: Any = self.c10d.GroupMember.NON_GROUP_MEMBER
         self.on_group = on_group
         self.pairs: dict[tuple[str, int], str] = {}
@@ -266,20 +252,19 @@ class _Installer:
                 if spec.tensor_list:
                     nbytes, dtype = self.list_size(tensor)
                 else:
-                    nbytes = tensor.nbytes
-                    dtype = self.dtypes.get(tensor.dtype) or self.groups.dtype(tensor)
+                    nbytes, dtype = tensor.nbytes, tensor.dtype
         peer = -1
         if spec.p2p:
             peer = self.peer(spec, group, args, kwargs)
             name = self.pair(name, peer)
         return self.recorder.begin(name, spec.op, nbytes, dtype, peer), is_async
 
-    def list_size(self, tensors: Any) -> tuple[int, str]:
+    def list_size(self, tensors: Any) -> tuple[int, Dtype]:
         """(bytes, dtype) of a list of tensors (or of one tensor, which torch accepts too)."""
         if hasattr(tensors, "element_size"):
-            return tensors.numel() * tensors.element_size(), self.groups.dtype(tensors)
+            return tensors.numel() * tensors.element_size(), tensors.dtype
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return nbytes, (self.groups.dtype(tensors[0]) if len(tensors) else "")
+        return nbytes, (tensors[0].dtype if len(tensors) else "")
 
     def peer(self, spec: _Spec, group: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         peer = _arg(args, kwargs, spec.peer_pos, spec.peer_name)
@@ -369,12 +354,12 @@ class _Installer:
         if not (spec.p2p or spec.tensor_list or spec.returns_peer or spec.always_async):
             return self.wrap_collective(spec, original, leaf=_is_leaf(original))
         recorder = self.recorder
-        local = _local
+        inside = _inside
         returns_peer = spec.returns_peer
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if local.depth:
+            if inside and _get_ident() in inside:
                 return original(*args, **kwargs)
             token: Token | None = None
             is_async = False
@@ -385,17 +370,17 @@ class _Installer:
             counted = token[0].counted if token is not None else None
             if counted is not None:
                 before = counted.enter()
-            # the outermost call only: set and cleared, not counted (0.07 us less than += / -=)
-            local.depth = 1
+            me = _get_ident()
+            inside.add(me)  # the outermost call only: added and discarded, not counted
             try:
                 result = original(*args, **kwargs)
             except BaseException:
-                local.depth = 0
+                inside.discard(me)
                 if counted is not None:
                     counted.around(before)
                 self.failed(token, op)
                 raise
-            local.depth = 0
+            inside.discard(me)
             if counted is not None:
                 counted.around(before)
             if token is not None:
@@ -428,11 +413,12 @@ class _Installer:
             "_original": original, "_recorder": recorder, "_begin": recorder.begin,
             "_states": recorder.groups, "_group_state": recorder.group_state,
             "_clock": recorder.clock, "_time_ns": time.time_ns,
-            "_groups": self.groups, "_dtypes": self.dtypes, "_non_member": self.non_member,
-            "_op": spec.op, "_local": _local,
+            "_groups": self.groups, "_non_member": self.non_member,
+            "_op": spec.op, "_inside": _inside, "_get_ident": _get_ident,
             "_plain_tensor": importlib.import_module("torch").Tensor,
             "_failed": self.failed, "_finish_work": self.finish_work,
         }
+        recorder.share_queue(namespace)  # `_queue` and `_bound`, kept current by the recorder
         source = _collective_source(original, spec, namespace, leaf=leaf,
                                     wall_clock=recorder.wall_clock)
         # the source is this module's template and the names of the function's own parameters
@@ -456,10 +442,9 @@ class _Installer:
             keyed.append((pair, 0 if upward else 1, index, "isend" if is_send else "irecv",
                           peer, p2p.tensor))
         tokens: list[Token | None] = [None] * len(keyed)
-        groups = self.groups
         for pair, _, index, op, peer, tensor in sorted(keyed, key=lambda k: k[:3]):
             tokens[index] = self.recorder.begin(
-                pair, op, tensor.numel() * tensor.element_size(), groups.dtype(tensor), peer,
+                pair, op, tensor.numel() * tensor.element_size(), tensor.dtype, peer,
             )
         return tokens
 
@@ -479,11 +464,11 @@ class _Installer:
 
     def wrap_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self.recorder
-        local = _local
+        inside = _inside
 
         @functools.wraps(original)
         def batch_isend_irecv(*args: Any, **kwargs: Any) -> Any:
-            if local.depth:
+            if inside and _get_ident() in inside:
                 return original(*args, **kwargs)
             tokens: list[Token | None] = []
             try:
@@ -492,17 +477,18 @@ class _Installer:
             except Exception as exc:
                 recorder.note_error("batch_isend_irecv", exc)
             before = _read_before(tokens) if _ddp_counts else {}
-            local.depth += 1
+            me = _get_ident()
+            inside.add(me)
             try:
                 result = original(*args, **kwargs)
             except BaseException:
-                local.depth -= 1
+                inside.discard(me)
                 for c, at in before.values():
                     c.around(at)
                 for token in tokens:
                     self.failed(token, "batch_isend_irecv")
                 raise
-            local.depth -= 1
+            inside.discard(me)
             for c, at in before.values():
                 c.around(at)
             if tokens:
@@ -618,7 +604,7 @@ _WRAPPED_NAMES = frozenset(COLLECTIVES + POINT_TO_POINT + ("batch_isend_irecv",)
 
 
 _COLLECTIVE_WRAPPER = '''
-    if _local.depth:
+    if _inside and _get_ident() in _inside:
         return _original(CALL)
     _token = _counted = None
     try:
@@ -634,7 +620,7 @@ _COLLECTIVE_WRAPPER = '''
                 _nbytes, _dtype = 0, ""
             else:
                 _nbytes = _tensor.nbytes
-                _dtype = _dtypes.get(_tensor.dtype) or _groups.dtype(_tensor)
+                _dtype = _tensor.dtype  # named off the training thread (`dtype_name`)
             if _async:
                 _token = _begin(_name, _op, _nbytes, _dtype)
                 _counted = _token[0].counted
@@ -650,18 +636,19 @@ _COLLECTIVE_WRAPPER = '''
         _before = _counted.enter()
     _guard = GUARD
     if _guard:
-        _local.depth = 1
+        _me = _get_ident()
+        _inside.add(_me)
     try:
         _result = _original(CALL)
     except BaseException:
         if _guard:
-            _local.depth = 0
+            _inside.discard(_me)
         if _counted is not None:
             _counted.around(_before)
         _failed(_token, _op)
         raise
     if _guard:
-        _local.depth = 0
+        _inside.discard(_me)
     if _counted is not None:
         _counted.around(_before)
     if _token is not None:
@@ -672,10 +659,9 @@ _COLLECTIVE_WRAPPER = '''
                 _now = NOW
                 if _seq > _state.returned[0]:
                     _state.returned = (_seq, _now)
-                _item = (_recorder.job, _recorder.attempt, _recorder.node, _recorder.rank,
-                         _name, _seq, _op, _nbytes, _dtype, -1, False, _entered, _now)
-                _queue = _recorder.queue
-                if _queue is not None and len(_queue) < _recorder.queue_bound:
+                _item = (_recorder.ident, _name, _seq, _op, _nbytes, _dtype, -1, False,
+                         _entered, _now)
+                if _queue is not None and len(_queue) < _bound:
                     _queue.append(_item)
                 elif not _recorder.disabled and not _recorder.sink.offer(_item):
                     _recorder.count_dropped()
@@ -911,9 +897,7 @@ class _Reducer:
             else:
                 tensor = tensors[0] if len(tensors) else None
                 nbytes = sum(t.nbytes for t in tensors)
-            dtype = ""
-            if tensor is not None:
-                dtype = _DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype)
+            dtype = tensor.dtype if tensor is not None else ""
             token = recorder.begin(self.name, "all_reduce", nbytes, dtype)
         except Exception as exc:
             recorder.note_error("DDP all_reduce", exc)

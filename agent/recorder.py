@@ -57,12 +57,20 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], int]
 """Returns the current time in microseconds since the epoch."""
 
-RawCollective = tuple[str, int, str, int, str, int, str, int, str, int, bool, int, int]
-"""A collective event before it becomes a record: (job, attempt, node, rank, group, seq, op,
-nbytes, dtype, peer, failed, enqueue_ns, complete_ns). Tuples cost ~0.04 us to build on the
-training thread; the frozen dataclass costs ~5 us, so it is built on the sender's thread. Its
-times are nanoseconds, as read (`time.time_ns()`): the division to microseconds (0.08 us a
-clock read here) is left to the sender too."""
+Dtype = Any
+"""A tensor's dtype as the hooks keep it: its name (str), or the torch dtype itself, which
+`dtype_name` names off the training thread."""
+
+Identity = tuple[str, int, str, int]
+"""(job, attempt, node, rank) of a recorder (`Recorder.ident`)."""
+
+RawCollective = tuple[Identity, str, int, str, int, Dtype, int, bool, int, int]
+"""A collective event before it becomes a record: (ident, group, seq, op, nbytes, dtype, peer,
+failed, enqueue_ns, complete_ns), `ident` the recorder's (job, attempt, node, rank), one tuple
+shared by all its events. Tuples cost ~0.04 us to build on the training thread; the frozen
+dataclass costs ~5 us, so it is built on the sender's thread. Its times are nanoseconds, as
+read (`time.time_ns()`): the division to microseconds (0.08 us a clock read here) is left to the
+sender too."""
 
 Pending = Record | RawCollective
 """What the recorder hands to its sink."""
@@ -80,13 +88,29 @@ INFLIGHT_HEARTBEAT_S = 0.1
 """Heartbeat interval while a call has been in flight for longer than `inflight_s`."""
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+"""dtype -> its name without "torch." (what records carry), filled as dtypes are met."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """What a record says of `dtype`: a name as it is, a torch dtype (what the hooks' hot path
+    keeps, 0.05 us less than looking its name up there) by its name without "torch."."""
+    if dtype.__class__ is str:
+        return str(dtype)
+    text = _DTYPE_NAMES.get(dtype)
+    if text is None:
+        text = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return text
+
+
 def materialize(item: Pending) -> Record:
     """The record a queued item stands for (called off the training thread)."""
     if isinstance(item, tuple):
-        job, attempt, node, rank, group, seq, op, nbytes, dtype, peer, failed, enq, comp = item
+        (job, attempt, node, rank), group, seq, op, nbytes, dtype, peer, failed, enq, comp = item
         return CollectiveEvent(
             job=JobId(job), attempt=attempt, node=NodeId(node), rank=Rank(rank),
-            group=GroupId(group), seq=seq, op=op, nbytes=nbytes, dtype=dtype, peer=peer,
+            group=GroupId(group), seq=seq, op=op, nbytes=nbytes, dtype=dtype_name(dtype),
+            peer=peer,
             state=CollectiveState.FAILED if failed else CollectiveState.COMPLETED,
             enqueue_us=enq // 1000, complete_us=comp // 1000,
         )
@@ -178,7 +202,7 @@ class _Group:
         if len(pending) < 2:
             return (0, "", 0, "")
         _, seq, op, nbytes, dtype, _, _ = pending[min(pending)]
-        return (seq, op, nbytes, dtype)
+        return (seq, op, nbytes, dtype_name(dtype))
 
     def pending_since(self) -> int:
         """When the oldest call in flight after the last completed one was entered (ns); 0 when
@@ -200,7 +224,7 @@ class _Group:
         if last is not None:
             enqueued, enqueue_us = last[1], last[6] // 1000
             if enqueued > done:  # pending: its op, size and dtype
-                op, nbytes, dtype = last[2], last[3], last[4]
+                op, nbytes, dtype = last[2], last[3], dtype_name(last[4])
         return GroupProgress(
             group=GroupId(self.name), last_enqueued=enqueued, last_completed=done,
             pending_op=op, last_enqueue_us=enqueue_us, last_complete_us=done_ns // 1000,
@@ -217,7 +241,7 @@ def _with_live(refs: list[weakref.WeakMethod[Callable[[], None]]], method: Calla
     return [r for r in refs if r() is not None] + [weakref.WeakMethod(method)]
 
 
-Token = tuple[_Group, int, str, int, str, int, int]
+Token = tuple[_Group, int, str, int, Dtype, int, int]
 """What `begin` returns and `end` takes: (group, seq, op, nbytes, dtype, peer, enqueue_ns)."""
 
 
@@ -238,16 +262,18 @@ class Recorder:
         inflight_heartbeat_s: float = INFLIGHT_HEARTBEAT_S,
         pid: int | None = None,
     ) -> None:
-        self.job = job
-        self.attempt = attempt
-        self.node = node
-        self.rank = rank
+        self.ident: Identity = (job, attempt, node, rank)
+        """(job, attempt, node, rank), the first element of every collective's item (one tuple
+        rather than four reads and four slots an event)."""
         self.disabled = False
         """Set by `disable`: nothing is recorded any more (read by the hooks' inlined path)."""
         self.queue: collections.deque[Pending] | None = None
         """The sink's deque, when it has one (`RecordSink`) and recording is on: the hot paths
         append to it directly while it holds fewer than `queue_bound`."""
         self.queue_bound = 0
+        self._sharing: list[dict[str, Any]] = []
+        """Namespaces of compiled wrappers that hold `queue` and `queue_bound` as globals
+        (`share_queue`)."""
         self.sink = sink
         self.clock = clock
         self.wall_clock = clock is now_us
@@ -309,6 +335,33 @@ class Recorder:
             self.queue, self.queue_bound = None, 0
         else:
             self.queue, self.queue_bound = direct()
+        for namespace in self._sharing:
+            namespace["_queue"], namespace["_bound"] = self.queue, self.queue_bound
+
+    def share_queue(self, namespace: dict[str, Any]) -> None:
+        """Keep `namespace["_queue"]` and `namespace["_bound"]` equal to `queue` and
+        `queue_bound` from now on, whatever sink comes (or `disable`): the globals of a hooks'
+        compiled wrapper, which reads a global for less than an attribute."""
+        self._sharing.append(namespace)
+        namespace["_queue"], namespace["_bound"] = self.queue, self.queue_bound
+
+    # -- identity -----------------------------------------------------------------------------
+
+    @property
+    def job(self) -> str:
+        return self.ident[0]
+
+    @property
+    def attempt(self) -> int:
+        return self.ident[1]
+
+    @property
+    def node(self) -> str:
+        return self.ident[2]
+
+    @property
+    def rank(self) -> int:
+        return self.ident[3]
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -362,7 +415,7 @@ class Recorder:
         with self._lock:
             return self._group(group_name)
 
-    def begin(self, group_name: str, op: str, nbytes: int, dtype: str, peer: int = -1) -> Token:
+    def begin(self, group_name: str, op: str, nbytes: int, dtype: Dtype, peer: int = -1) -> Token:
         """This rank enters an operation of a group that may end on another thread (async work,
         a future's callback): the group's next sequence id is taken and the call is kept in
         flight until `end`. A call that returns complete uses `enter`/`returned`."""
@@ -389,7 +442,7 @@ class Recorder:
             lock.release()
         return token
 
-    def enter(self, group_name: str, op: str, nbytes: int, dtype: str) -> Token:
+    def enter(self, group_name: str, op: str, nbytes: int, dtype: Dtype) -> Token:
         """`begin` for a call that returns complete on the thread that makes it (a synchronous
         collective, the hot path of most jobs): no lock (but at a group's first call) and no
         in-flight entry (`_Group`), about a third less. Pair it with `returned`, or with
@@ -410,8 +463,7 @@ class Recorder:
         now = _time_ns() if self.wall_clock else self.clock() * 1000
         if seq > group.returned[0]:
             group.returned = (seq, now)
-        self._offer((self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes,
-                     dtype, peer, False, enqueued, now))
+        self._offer((self.ident, group.name, seq, op, nbytes, dtype, peer, False, enqueued, now))
 
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
         """The operation `token` finished (ok) or failed on this rank; queue its event."""
@@ -425,8 +477,8 @@ class Recorder:
                 group.done = (seq, now)
         finally:
             lock.release()
-        self._offer((self.job, self.attempt, self.node, self.rank, group.name, seq, op, nbytes,
-                     dtype, token_peer if peer is None else peer, not ok, enqueued, now))
+        self._offer((self.ident, group.name, seq, op, nbytes, dtype,
+                     token_peer if peer is None else peer, not ok, enqueued, now))
 
     def now_us(self) -> int:
         return _time_ns() // 1000 if self.wall_clock else self.clock()
@@ -453,8 +505,8 @@ class Recorder:
     def record_span(self, group_name: str, seq: int, op: str, enqueue_us: int) -> None:
         """Record a completed operation of a counted group (`counted`) from `enqueue_us` to
         now."""
-        self._offer((self.job, self.attempt, self.node, self.rank, group_name, seq, op, 0, "",
-                     -1, False, enqueue_us * 1000, self.now_ns()))
+        self._offer((self.ident, group_name, seq, op, 0, "", -1, False, enqueue_us * 1000,
+                     self.now_ns()))
 
     def poll_later(self, work: Any, token: Token, *, ordered: bool = False) -> None:
         """Watch an async work without a future (gloo send/recv) from the heartbeat thread.
@@ -539,7 +591,8 @@ class Recorder:
     # -- groups and identity --------------------------------------------------------------------
 
     def set_rank(self, rank: int) -> None:
-        self.rank = rank
+        job, attempt, node, _ = self.ident
+        self.ident = (job, attempt, node, rank)
 
     def group_created(self, group_name: str, ranks: tuple[int, ...], backend: str) -> None:
         """A process group this rank belongs to was created."""

@@ -454,7 +454,7 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
         def fresh() -> SocketTransport:
             return SocketTransport(str(tmp / "nowhere.sock"), bound=calls + 10)
 
-        item = ("bench", 0, "n0", 0, "0", 1, "all_reduce", 4, "float32", -1, False, 1, 2)
+        item = (("bench", 0, "n0", 0), "0", 1, "all_reduce", 4, "float32", -1, False, 1, 2)
         offer = statistics.median(quiet(fresh().offer, calls, (item,)) for _ in range(blocks))
 
         def enter_returned(_: Any) -> None:  # a synchronous call's path

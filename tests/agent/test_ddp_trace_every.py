@@ -33,7 +33,7 @@ CHILD = textwrap.dedent("""
             return True
 
     def buckets(sink):
-        return [i for i in sink.items if isinstance(i, tuple) and not i[4].endswith(":ddp")]
+        return [i for i in sink.items if isinstance(i, tuple) and not i[1].endswith(":ddp")]
 
     every = int(sys.argv[1])
     sink = Sink()
@@ -58,8 +58,8 @@ CHILD = textwrap.dedent("""
         rec.settle()
         per_step.append(len(buckets(sink)) - before)
         losses.append(loss.item())
-    seqs = [i[5] for i in buckets(sink)]
-    counted = [i[5] for i in sink.items if isinstance(i, tuple) and i[4].endswith(":ddp")]
+    seqs = [i[2] for i in buckets(sink)]
+    counted = [i[2] for i in sink.items if isinstance(i, tuple) and i[1].endswith(":ddp")]
     print(json.dumps({"per_step": per_step, "seqs": seqs, "losses": losses, "counted": counted,
                       "errors": rec.errors}), flush=True)
     os._exit(0)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from recorder_fakes import Clock, Sink
 
 from tracehound.agent import hooks
-from tracehound.agent.recorder import Recorder
+from tracehound.agent.recorder import Recorder, materialize
 from tracehound.agent.transport import SocketTransport
 
 HEADERS = ["parameters written out", "*args, **kwargs"]
@@ -67,13 +67,15 @@ def test_the_wrapper_records_what_enter_and_returned_record(tensor: torch.Tensor
     dtype = str(tensor.dtype).removeprefix("torch.")
     for _ in range(3):
         all_reduce(tensor)
-        reference.returned(reference.enter("0", "all_reduce", tensor.nbytes, dtype))
+        reference.returned(reference.enter("0", "all_reduce", tensor.nbytes, tensor.dtype))
     all_reduce(tensor=tensor)  # by keyword
 
-    reference.returned(reference.enter("0", "all_reduce", tensor.nbytes, dtype))
+    reference.returned(reference.enter("0", "all_reduce", tensor.nbytes, tensor.dtype))
     assert [without_times(i) for i in by_wrapper.items] == \
         [without_times(i) for i in by_methods.items]
-    assert [i[5] for i in by_wrapper.items] == [1, 2, 3, 4]
+    assert [i[2] for i in by_wrapper.items] == [1, 2, 3, 4]  # seq
+    # the dtype is kept as torch's object and named off the training thread
+    assert {materialize(i).dtype for i in by_wrapper.items} == {dtype}
     for item in by_wrapper.items:
         assert item[-2] < item[-1]  # entered before it returned, each a clock read
     assert by_wrapper.items[-1][-2:] == by_methods.items[-1][-2:]  # the same clock reads
@@ -115,12 +117,19 @@ def test_records_go_straight_onto_the_transports_queue_until_it_is_full() -> Non
     all_reduce = wrapped_all_reduce(recorder)
     for _ in range(3):
         all_reduce(torch.ones(1))
-    assert [item[5] for item in transport._queue] == [1, 2]
+    assert [item[2] for item in transport._queue] == [1, 2]  # seq
     assert (transport.dropped, recorder.dropped) == (1, 1)  # the third, refused by offer
-    transport._queue.clear()
+    # a sink set after the wrapper was made: the wrapper's queue (a global of its own) follows
+    later = SocketTransport("/nonexistent/agent.sock", bound=1)
+    recorder.sink = later
+    all_reduce(torch.ones(1))
+    all_reduce(torch.ones(1))
+    assert [item[2] for item in later._queue] == [4] and len(transport) == 2
+    assert (later.dropped, recorder.dropped) == (1, 2)
+    later._queue.clear()
     recorder.disable()
     all_reduce(torch.ones(1))
-    assert len(transport) == 0 and recorder.dropped == 1
+    assert len(later) == 0 and len(transport) == 2 and recorder.dropped == 2
 
 
 @pytest.mark.parametrize("header", HEADERS)
@@ -150,7 +159,7 @@ def test_a_refused_record_is_counted_and_nothing_is_offered_once_disabled() -> N
     kept = Sink()
     recorder.sink = kept  # what the sink is at the call is what is used
     all_reduce(torch.ones(1))
-    assert [i[5] for i in kept.items] == [3]
+    assert [i[2] for i in kept.items] == [3]  # seq
     recorder.disable()
     all_reduce(torch.ones(1))
     assert len(kept.items) == 1 and recorder.dropped == 2

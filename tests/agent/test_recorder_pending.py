@@ -119,9 +119,9 @@ def test_a_counted_group_reports_what_was_entered_and_completed_never_going_back
     rec.record_span("0:ddp", 4, "ddp_comm", 1_000)
     (row,) = sink.items
     assert isinstance(row, tuple)
-    assert row[4:11] == ("0:ddp", 4, "ddp_comm", 0, "", -1, False)
-    assert row[11] == 1_000 * 1000  # queued in ns: the sender divides
-    assert row[12] > 1_000
+    assert row[:8] == (("job", 0, "n", 1), "0:ddp", 4, "ddp_comm", 0, "", -1, False)
+    assert row[8] == 1_000 * 1000  # queued in ns: the sender divides
+    assert row[9] > 1_000
 
 
 def test_a_synchronous_call_shows_pending_inside_and_complete_after_without_the_lock() -> None:
@@ -150,13 +150,13 @@ def test_a_synchronous_call_shows_pending_inside_and_complete_after_without_the_
     assert rec.pending_since() == inside[6] // 1000  # a token's time is in ns
     rec.returned(inside)
     g = progress(rec)["0"]
-    completed_ns = sink.items[-1][12]
+    completed_ns = sink.items[-1][9]
     assert (g.last_completed, g.pending_op, g.last_complete_us) == (4, "", completed_ns // 1000)
     assert rec.pending_since() == 0
-    assert [(i[5], i[6], i[10]) for i in sink.items] == [
+    assert [(i[2], i[3], i[7]) for i in sink.items] == [
         (1, "all_reduce", False), (3, "barrier", False), (4, "all_reduce", False)]
     rec.end(token, False)  # the broadcast raised: recorded as failed, completion kept at 4
-    assert sink.items[-1][5:11] == (2, "broadcast", 128, "int64", -1, True)
+    assert sink.items[-1][2:8] == (2, "broadcast", 128, "int64", -1, True)
     assert progress(rec)["0"].last_completed == 4
 
 
