@@ -4,7 +4,7 @@ one left in the store (`controller.jobstate`) and does nothing twice.
 
 - killed while the job runs: the ranks (in sessions of their own) train on; the second
   controller adopts them, learns their exit status from the files they leave, and the job
-  finishes as attempt 0 with no incident and no relaunch;
+  finishes as attempt 0 with no incident acted on and no relaunch;
 - killed while restarting after a crash (in the policy's restart backoff): the second
   controller launches attempt 1 once and the incident gets its actions once.
 
@@ -112,7 +112,9 @@ def test_killed_while_running_the_job_is_adopted_and_finishes_once(tmp_path: Pat
     log_text = "".join(second.lines)
     assert "picking the job up" in log_text and "adopted 4 running ranks" in log_text
     assert outcome["completed"] is True, outcome
-    assert outcome["incidents"] == [], "the adopted ranks ended cleanly: nothing to diagnose"
+    # the adopted ranks ended cleanly: nothing to diagnose or act on (a straggler only watched
+    # is what four ranks on two cores may show at the job's end, see beside_observed_stragglers)
+    assert beside_observed_stragglers(outcome["incidents"]) == [], outcome["incidents"]
     assert not (second.work / "logs" / "attempt-1").exists(), "no relaunch"
     assert not any(alive(p) for p in pids)
     exits = sorted((second.work / "attempts" / "attempt-0").glob("rank-*.exit.*"))
