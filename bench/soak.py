@@ -90,7 +90,7 @@ class CountingSink:
     def offer(self, item: Any) -> bool:
         accepted: bool = self.transport.offer(item)
         if not accepted and isinstance(item, tuple):
-            self.refused.append((item[4], item[5]))
+            self.refused.append((item[1], item[2]))  # (group, seq): recorder.RawCollective
         return accepted
 
     def flush(self, timeout: float) -> bool:

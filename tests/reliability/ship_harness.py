@@ -62,8 +62,8 @@ class _Counting:
             self.offered += 1
             self.refused += not accepted
             if isinstance(item, tuple):
-                group, seq = item[4], item[5]
-                self.identity = [item[0], item[1], item[3]]
+                (job, attempt, _, rank), group, seq = item[:3]  # recorder.RawCollective
+                self.identity = [job, attempt, rank]
                 self.produced[group] = self.produced.get(group, 0) + 1
                 self.last_seq[group] = max(self.last_seq.get(group, 0), seq)
                 if not accepted:
