@@ -3,8 +3,10 @@
 Imported by `tracehound/agent/_bootstrap/sitecustomize.py` at interpreter start. When
 TRACEHOUND_AGENT_SOCKET is set and TRACEHOUND_DISABLE is not, it creates the process's Recorder
 (sending to the node agent through a SocketTransport) and registers post-import hooks: a
-`sys.meta_path` finder wraps the loaders of `torch.distributed`, `torch.nn.parallel.distributed`,
-`torch.optim.optimizer` and `torch.distributed.checkpoint.state_dict`, so the patches are applied
+`sys.meta_path` finder wraps the loaders of `torch.distributed`, its functional collectives
+(`torch.distributed._functional_collectives`, imported with DTensor),
+`torch.nn.parallel.distributed`, `torch.optim.optimizer` and
+`torch.distributed.checkpoint.state_dict`, so the patches are applied
 right after those modules are imported. Modules already imported are patched at once.
 
 It must never import torch itself (a Python process that never imports torch pays ~nothing) and
@@ -76,6 +78,13 @@ def _patch_distributed() -> None:
         hooks.install_distributed(_recorder, on_group=_activate)
 
 
+def _patch_functional() -> None:
+    from tracehound.agent import functional
+
+    if _recorder is not None:
+        functional.install_functional(_recorder)
+
+
 def _patch_ddp() -> None:
     from tracehound.agent import hooks
 
@@ -99,6 +108,7 @@ def _patch_checkpoint_state_dict() -> None:
 
 PATCHES: dict[str, Callable[[], None]] = {
     "torch.distributed": _patch_distributed,
+    "torch.distributed._functional_collectives": _patch_functional,
     "torch.nn.parallel.distributed": _patch_ddp,
     "torch.optim.optimizer": _patch_optimizer,
     "torch.distributed.checkpoint.state_dict": _patch_checkpoint_state_dict,

@@ -8,7 +8,7 @@ the records with, as `fact <json>` lines.
 
     python coverage_job.py SCENARIO    (ddp, ddp_hooks, ddp_untraced, ddp_counted, fsdp2,
                                         pipeline, subgroups, alltoall, objects, async,
-                                        inflight)
+                                        inflight, functional)
 """
 
 from __future__ import annotations
@@ -371,11 +371,54 @@ def inflight(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def functional(rank: int, world: int) -> None:
+    """Functional collectives (`torch.distributed._functional_collectives`, what DTensor and
+    tensor parallelism issue) between `torch.distributed` ones of the same groups: five funcol
+    all_reduces and five dist.all_reduces on the default group, then on each dimension of a 2x2
+    DeviceMesh (given as `(mesh, dim)`) every kind of funcol call: all_gather, reduce_scatter,
+    uneven all_to_all_single, broadcast, a coalesced all_reduce, and one result freed without
+    a wait. Then a DTensor sharded on the mesh made whole (`full_tensor`: an all_gather through
+    funcol) and its norm (an all_reduce of DTensor's partial placement)."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world_group = dist.group.WORLD
+    total = torch.zeros(4)
+    for i in range(5):
+        total += funcol.all_reduce(torch.full((4,), float(rank + i)), "sum", world_group)
+        dist.all_reduce(torch.ones(4))
+    fact(kind="sums", total=total.tolist())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for dim, label in enumerate(("dp", "tp")):
+        group = mesh.get_group(label)
+        fact(kind=f"mesh_{label}", name=group.group_name)
+        x = torch.full((4,), float(rank))
+        gathered = funcol.all_gather_single(x, 0, (mesh, dim))
+        scattered = funcol.reduce_scatter_single(torch.ones(4), "sum", 0, (mesh, dim))
+        me = dist.get_rank(group)
+        splits = [me + 1, 2 - me]  # uneven: member 0 sends 1 then 2 rows, member 1 2 then 1
+        received = [me + 1, 2 - me][::-1] if me == 1 else [1, 2]
+        swapped = funcol.all_to_all_single(torch.ones(3, 2), received, splits, (mesh, dim))
+        sent = funcol.broadcast(torch.full((3,), float(rank)), 0, (mesh, dim))
+        pair = funcol.all_reduce_coalesced([torch.ones(2), torch.ones(3)], "sum", (mesh, dim))
+        unwaited = funcol.all_reduce(torch.ones(6), "sum", (mesh, dim))
+        del unwaited  # freed without a wait: the work ran all the same
+        fact(kind=f"results_{label}", gathered=gathered.tolist(),
+             scattered=scattered.tolist(), swapped=list(swapped.shape),
+             sent=sent.tolist(), pair=[t.sum().item() for t in pair])
+        dist.all_reduce(torch.ones(1), group=group)
+    whole = distribute_tensor(torch.arange(8.0), mesh["tp"], [Shard(0)])
+    fact(kind="full", value=whole.full_tensor().tolist(),
+         norm=float(torch.linalg.vector_norm(whole).full_tensor()))
+    dist.barrier()
+
+
 SCENARIOS = {
     "ddp": ddp, "ddp_hooks": ddp_hooks, "ddp_untraced": ddp_untraced,
     "ddp_counted": ddp_counted, "ddp_paced": ddp_paced, "fsdp2": fsdp2,
     "pipeline": pipeline, "subgroups": subgroups, "alltoall": alltoall, "objects": objects,
-    "async": async_ops, "inflight": inflight,
+    "async": async_ops, "inflight": inflight, "functional": functional,
 }
 
 

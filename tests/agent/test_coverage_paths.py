@@ -273,3 +273,42 @@ def test_async_ops_complete_from_their_work(tmp_path: Path) -> None:
         e for e in run.events if (e.rank, e.group, e.seq) == (0, "0", 1))
     entered = run.fact(1, "late_enter_us")["t"]
     assert first.enqueue_us <= run.fact(0, "issued_us")["t"] < entered <= first.complete_us
+
+
+def test_functional_collectives_are_recorded_in_their_groups(tmp_path: Path) -> None:
+    """Functional collectives (what DTensor, tensor parallelism and FSDP2's gradient clipping
+    issue) are recorded in their process groups between the torch.distributed calls of the same
+    groups, with the same sequence ids on every member: the default group's five funcol and five
+    dist all-reduces alternate; on each DeviceMesh dimension (given as `(mesh, dim)`) every
+    funcol kind, including a result freed without a wait, completes; DTensor's full_tensor and
+    norm go through funcol too. The values are what the collectives compute with the recorder
+    in place."""
+    run = run_scenario("functional", 4, tmp_path)
+    calls = assert_same_calls(run)
+    groups = group_ranks(run)
+    assert ops_of(calls["0"])[:10] == ["all_reduce"] * 10
+    per_rank = [sum(float(r + i) for r in range(4)) for i in range(5)]
+    assert run.fact(0, "sums")["total"] == [sum(per_rank)] * 4
+    funcol_kinds = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                    "broadcast", "all_reduce_coalesced", "all_reduce", "all_reduce"]
+    for rank in range(4):
+        for label in ("dp", "tp"):
+            name = run.fact(rank, f"mesh_{label}")["name"]
+            assert ops_of(calls[name])[:7] == funcol_kinds, (label, calls[name])
+            assert rank in groups[name] and len(groups[name]) == 2
+    # the funcol calls carry their input's size: all_gather of 4 floats, coalesced 2 + 3
+    sizes = {(e.group, e.seq): e.nbytes for e in run.events if e.rank == 0}
+    dp = run.fact(0, "mesh_dp")["name"]
+    assert sizes[(dp, 1)] == 16 and sizes[(dp, 5)] == 20
+    results = run.fact(0, "results_dp")
+    assert results["gathered"] == [0.0] * 4 + [2.0] * 4  # mesh dp: ranks 0 and 2
+    assert results["pair"] == [4.0, 6.0]
+    full = run.fact(0, "full")
+    assert full["value"] == [float(i) for i in range(8)]
+    assert abs(full["norm"] - float(sum(i * i for i in range(8))) ** 0.5) < 1e-4
+    # nothing stays pending: each member's last heartbeat shows every group complete
+    last = {}
+    for hb in sorted(run.beats, key=lambda hb: hb.time_us):
+        last[hb.rank] = hb
+    for hb in last.values():
+        assert all(g.last_completed == g.last_enqueued for g in hb.groups), hb.groups
