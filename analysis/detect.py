@@ -9,6 +9,13 @@ invents a hang). Then, per process group, the ranks that never entered the colle
 wait in are the suspects; following waits-for edges across groups leads to the root: the rank
 that waits on nobody. A rank that stopped reporting while its peers wait is a suspect too.
 
+A rank with nothing traced pending whose stack, taken since its last progress, shows it inside a
+collective (`liveness.collective_wait`: one the recorder does not see, e.g. a compiled graph's)
+waits too, in a collective of unknown group: on every other rank of the job. The chain then runs
+through it to the ranks that wait on nobody (frozen or busy ones), and the evidence says that it
+waits where the trace does not show. Where the chain only returns to waiting ranks, the hang is
+not localized.
+
 The waits-for graph is never built edge by edge: the ranks a pending collective (group, seq)
 waits on are computed once per (group, seq) and expanded once, so a hang of 10,000 ranks in
 groups of hundreds costs O(ranks x groups), not O(ranks x group size).
@@ -30,14 +37,22 @@ from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, UNSURE, WEAK
 from tracehound.analysis.liveness import (
     RankLife,
     assess,
+    collective_wait,
     fresh_stack,
     last_activity_us,
     process_words,
+    stack_wait,
     where_words,
 )
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
-from tracehound.tracing.events import EXIT_UNKNOWN, Heartbeat, IncidentKind, RankExit
+from tracehound.tracing.events import (
+    EXIT_UNKNOWN,
+    Heartbeat,
+    IncidentKind,
+    RankExit,
+    StackSample,
+)
 from tracehound.tracing.settings import DEFAULT_HEARTBEAT_S
 
 _US = 1_000_000
@@ -370,6 +385,11 @@ class _Wait:
     """When the waiting rank entered the collective, on its own clock."""
 
 
+_UNTRACED = ("", 0)
+"""The pending key of a rank seen waiting in a collective by its stack alone: it waits on every
+other rank of the job (`_WaitsFor.laggards`)."""
+
+
 class _WaitsFor:
     """The waits-for graph of a snapshot, with edges computed per (group, seq) on demand.
 
@@ -385,7 +405,8 @@ class _WaitsFor:
 
     def __init__(self, beats: Mapping[int, Heartbeat], exited: set[int],
                  members: Mapping[str, frozenset[int]], frozen: frozenset[int],
-                 silent: frozenset[int]) -> None:
+                 silent: frozenset[int], *, untraced: Iterable[int] = (),
+                 everyone: frozenset[int] = frozenset()) -> None:
         self.reached: dict[tuple[int, str], int] = {}
         self.pending: dict[int, list[tuple[str, int]]] = {}
         for rank, hb in beats.items():
@@ -393,6 +414,9 @@ class _WaitsFor:
                 self.reached[(rank, g.group)] = g.last_enqueued
                 if g.pending_op and rank not in exited and rank not in frozen:
                     self.pending.setdefault(rank, []).append((g.group, g.last_enqueued))
+        for rank in untraced:  # seen waiting by its stack, in a collective of unknown group
+            self.pending.setdefault(rank, []).append(_UNTRACED)
+        self._everyone = tuple(sorted(everyone))
         self._members = members
         self._frozen = frozen
         self._silent = silent
@@ -403,6 +427,8 @@ class _WaitsFor:
 
     def laggards(self, group: str, seq: int) -> tuple[int, ...]:
         key = (group, seq)
+        if key == _UNTRACED:
+            return self._everyone
         found = self._lag.get(key)
         if found is None:
             members = self._members.get(group, ())
@@ -516,8 +542,19 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     # predecessor a moment later than its peers waits there too, and the chain must run
     # through it to the root.
     silent_only = frozenset(r for r in silent if lives[r].strength[0] == 1)
-    graph = _WaitsFor(beats, exited, members, frozen, silent_only)
+    untraced: dict[int, StackSample] = {}
+    for r, hb in beats.items():
+        life = lives.get(r)
+        if life is None or life.frozen or r in exited or any(g.pending_op for g in hb.groups):
+            continue
+        stack = stack_wait(life, last_activity_us(hb))
+        if stack is not None:
+            untraced[r] = stack
+    graph = _WaitsFor(beats, exited, members, frozen, silent_only, untraced=untraced,
+                      everyone=frozenset(r for r in expected if r not in exited))
     roots, acyclic = graph.roots(w.rank for w in stalled)
+    if not acyclic and untraced:
+        roots = set()  # waiters waiting on waiters, some where no trace shows: not localized
 
     stalled_groups: dict[str, int] = {}
     for wait in stalled:
@@ -530,6 +567,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                 continue
             reached = graph.entered(member, group)
             where = "never reported" if member not in beats else f"last entered #{reached}"
+            elsewhere = untraced.get(member)
             lag_facts[member] = Evidence(
                 fact=Fact.LAGGING, rank=member, node=node_of(member), group=group,
                 seq=seq, value=float(seq - reached),
@@ -539,6 +577,9 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                        if reached < seq else
                        f"entered collective #{seq} of group {group} and froze there; ")
                     + f"{waiting_in[group]} rank(s) wait on it"
+                    + ("" if elsewhere is None else
+                       "; it waits itself, in a collective the trace does not show ("
+                       + collective_wait(elsewhere.frames) + ")")
                 ),
             )
     longest = max(stalled, key=lambda w: w.waited_us)
@@ -648,7 +689,15 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         )
         for r in ordered if r not in frozen and r in beats and r not in exited
     ][:cap]
-    waiting_facts = _waiting_facts(stalled, node_of)
+    waiting_facts = _waiting_facts(stalled, node_of) + [
+        Evidence(
+            fact=Fact.STACK, rank=r, node=node_of(r), value=stack.time_us / _US,
+            detail=(f"rank {r} on node {node_of(r)} waits in a collective the trace does not "
+                    f"show ({collective_wait(stack.frames)}); stack, outermost first: "
+                    + " > ".join(stack.frames[-8:])),
+        )
+        for r, stack in sorted(untraced.items())[:cap]
+    ]
     # Laggards that are not culprits are themselves blocked further down the chain: name the
     # culprits' facts one by one, and the others once per group, so the evidence of a 10,000-rank
     # hang reads as a cause and its reach, not as a list of victims.

@@ -16,6 +16,10 @@ evidence is:
   busy ranks have been busy for less than the job's typical step is the rhythm of long
   pipeline steps (stages wait seconds on each other every step), not news: the window's
   anomalies come first and it stands only without them.
+- Where no traced collective has been pending for the hang threshold, a job that stands still
+  (`analysis.standstill`: every rank not frozen has stopped progressing, while some are frozen or
+  are seen waiting in collectives the trace does not show) is judged as a hang or a stall all
+  the same: missing coverage never makes such a job healthy.
 - A hang that control dependency cannot localize is handed to the stack traces (silent hang).
 - A hardware health event on the culprit node of a hang, silent hang, slow link, straggler or
   node outlier turns that verdict into a hardware verdict on that node when it is relevant to
@@ -55,6 +59,7 @@ from tracehound.analysis.observation import Observation
 from tracehound.analysis.outliers import detect_node_outliers
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.stacks import detect_silent_hang
+from tracehound.analysis.standstill import detect_standstill
 from tracehound.analysis.straggler import detect_straggler
 from tracehound.analysis.verdict import Basis, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
@@ -120,7 +125,7 @@ def diagnose_observation(obs: Observation | JobSnapshot,
     mismatch = detect_mismatch(obs, settings)
     if mismatch is not None:
         return mismatch
-    hang = detect_hang(snap, settings)
+    hang = detect_hang(snap, settings) or detect_standstill(snap, settings)
     stall: Verdict | None = None
     straggler: Verdict | None = None
     if hang is not None:

@@ -143,3 +143,34 @@ def where_words(life: RankLife, since_us: int) -> str:
     innermost last. "" when no such stack was captured."""
     stack = fresh_stack(life, since_us)
     return "" if stack is None else " > ".join(stack.frames[-3:])
+
+
+_COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py",
+                     "torch/distributed/_functional_collectives.py",
+                     "torch/distributed/c10d_logger.py")
+"""Files a stack is in while it runs a collective of torch.distributed (a call that blocks until
+its peers join, or a functional collective's `wait_tensor`)."""
+_COLLECTIVE_FUNCTIONS = ("wait_tensor",)
+_WRAPPER_MARK = "<tracehound wrapper of "
+_INNERMOST = 3
+
+
+def collective_wait(frames: tuple[str, ...]) -> str:
+    """The frame that shows a stack waiting in a collective (`file:line function`, innermost
+    last), "" when its innermost frames show none: a c10d call of torch.distributed, a functional
+    collective's `wait_tensor`, or a recorder wrapper. Only Python frames are seen: a rank in a
+    C++ `Work.wait()` called from user code shows the user's line and counts as busy."""
+    for frame in reversed(frames[-_INNERMOST:]):
+        where, _, function = frame.rpartition(" ")
+        if (where.rsplit(":", 1)[0].endswith(_COLLECTIVE_FILES)
+                or function.rsplit(".", 1)[-1] in _COLLECTIVE_FUNCTIONS
+                or _WRAPPER_MARK in where):
+            return frame
+    return ""
+
+
+def stack_wait(life: RankLife, since_us: int) -> StackSample | None:
+    """The rank's stack captured since `since_us` if it shows the rank waiting in a collective
+    (`collective_wait`), else None."""
+    stack = fresh_stack(life, since_us)
+    return stack if stack is not None and collective_wait(stack.frames) else None

@@ -32,6 +32,10 @@ class Basis(enum.StrEnum):
     """A device health event on the culprit node coincides with the anomaly."""
     OUTLIER_MODEL = "outlier_model"
     """A model over per-node features flags the node in consecutive windows."""
+    STANDSTILL = "standstill"
+    """No traced collective was pending: every rank that is not a culprit stopped progressing
+    (its stack, where one was taken, waiting in a collective the trace does not show) while the
+    culprits are frozen, or, with nobody frozen, busy (`analysis.standstill`)."""
     BUSY_TIMEOUT = "busy_timeout"
     """The culprits were alive and busy outside collectives, but kept their peers waiting
     longer than the busy grace: the program is stuck there, the machine is not implicated."""
