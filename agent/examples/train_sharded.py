@@ -117,7 +117,8 @@ def hook_points(stopper: Stopper, optimizer: torch.optim.Optimizer) -> None:
         stopper.at("all_gather")
         return work
 
-    dist.all_gather_single = all_gather_single  # type: ignore[assignment]
+    dist.all_gather_single = all_gather_single
+    norm: Any
     try:  # the placement of a norm's partial sums (torch 2.13); else any partial's reduction
         from torch.distributed.tensor._ops._math_ops import _NormPartial as norm
     except ImportError:
@@ -128,7 +129,7 @@ def hook_points(stopper: Stopper, optimizer: torch.optim.Optimizer) -> None:
         stopper.at("clip")
         return reduce_value(self, *args, **kwargs)
 
-    norm._reduce_value = _reduce_value  # type: ignore[method-assign]
+    norm._reduce_value = _reduce_value
     optimizer.register_step_pre_hook(lambda *_: stopper.at("optim"))
 
 

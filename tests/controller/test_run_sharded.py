@@ -100,7 +100,8 @@ def test_tensor_parallel_functional_collectives_and_an_untraced_group(tmp_path: 
     communicates through functional collectives only, plus an all_reduce every step through a
     process group's own method, which no recorder hook sees. Rank 1 stops before its forward
     (attempt 0: its peer waits in the forward's functional all_reduce) and before the untraced
-    all_reduce (attempt 1: nothing traced is pending; the job's standstill alone names it). The store holds the functional collectives with their group, sequence and op."""
+    all_reduce (attempt 1: nothing traced is pending; the job's standstill alone names it).
+    The store holds the functional collectives with their group, sequence and op."""
     log = tmp_path / "stops"
     outcome, incidents = run_and_list(tmp_path, "tp-stops", [
         "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "2", script(),
