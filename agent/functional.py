@@ -19,8 +19,9 @@ DTensor and tensor parallelism call them through the module (`funcol.all_reduce(
   never waited for (c10d keeps it until a wait, so it is not even freed) completes, as seen
   from the heartbeat thread (`Functional.settle`), once a later call of its group completed on
   this rank: the calls of one group complete in order;
-- a call made while torch.compile traces (`torch.compiler.is_compiling`) or under a fake or
-  proxy mode (funcol's own `_are_we_tracing`) is passed on unrecorded: it issues nothing.
+- a call made while torch.compile traces (`torch.compiler.is_compiling`) or on fake tensors
+  (funcol's own `_are_we_tracing`) is passed on unrecorded: it issues nothing. (A proxy mode
+  tracing plain tensors, `make_fx`, is not looked for.)
 
 Not covered here: the ops a compiled graph or funcol's own autograd backward calls
 (`torch.ops._c10d_functional.*` straight from C++ or generated code) do not pass through these
@@ -84,14 +85,18 @@ class Functional:
         self.resolve: Callable[[Any, str], str] = funcol._resolve_group_name
         self.tracing: Callable[[], bool] = getattr(funcol, "_are_we_tracing", _never)
         self.result_type: Any = getattr(funcol, "AsyncCollectiveTensor", None)
+        self.plain_tensor: Any = importlib.import_module("torch").Tensor
         self.pending: dict[int, _Entry] = {}
         self.lock = threading.Lock()
 
     # -- issuing ------------------------------------------------------------------------------
 
     def begin(self, op: str, tensor: Any, group: Any, tag: Any) -> Token | None:
-        """The call's token, or None when it is not to be recorded (traced, not a member)."""
-        if self.tracing():
+        """The call's token, or None when it is not to be recorded: funcol is tracing (a fake
+        or proxy mode: looked up only for a tensor that is not a plain one, as a fake mode's
+        are; 1.2 us a call otherwise)."""
+        first = tensor[0] if isinstance(tensor, (list, tuple)) and tensor else tensor
+        if type(first) is not self.plain_tensor and self.tracing():
             return None
         name = str(self.resolve(group, tag or ""))
         installer = hooks._installer

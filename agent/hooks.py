@@ -65,8 +65,11 @@ Groups: a ProcessGroupInfo (the group's global ranks) is recorded once per group
 member of, when the group is created, and otherwise when it is first used (groups created before
 the recorder was installed, or by a path not wrapped).
 
-Not covered: functional collectives (`torch.distributed._functional_collectives`, DTensor
-redistribution, torch.compile) run as C++ ops without these Python functions; DDP's own C++
+Functional collectives (`torch.distributed._functional_collectives`: DTensor redistribution,
+tensor parallelism, FSDP2's gradient clipping) run as C++ ops without these Python functions:
+`tracehound.agent.functional` wraps their own entry points. Not covered: what a compiled graph
+or funcol's autograd backward issues straight through `torch.ops._c10d_functional` (seen only
+by the ranks' stacks and the job's standstill, `analysis.standstill`); DDP's own C++
 collectives (parameter broadcast and shape check at construction); the communication of a
 `_coalescing_manager` block, whose ops are recorded when they are queued (they end at once).
 """

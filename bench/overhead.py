@@ -48,9 +48,14 @@ Two measurements, printed as figures (a benchmark, never a test; nothing here ga
    node agent's reading pace bounds. `record_us_contended` is the same wrapped no-op with the
    sender running alongside (a training thread that never releases the GIL), and
    `all_reduce_*` compare a real wrapped and unwrapped gloo all_reduce of one rank (noisy: the
-   gloo call itself varies by more than the recorder costs). `parts_us` times pieces of the
-   hot path alone: two clock reads, the transport's offer, and `Recorder.enter`/`returned`
-   called as methods (the wrapper does the same work inline, without the two calls).
+   gloo call itself varies by more than the recorder costs). `functional_record_us` is the
+   same for a functional collective (agent/functional.py: the group resolved from what funcol
+   accepts, the call entered and ended under the recorder's lock): the wrapper around a no-op
+   with funcol all_reduce's signature, minus the bare no-op; `functional_all_reduce_*` compare
+   a real funcol all_reduce and the wait on its result, wrapped and bare. `parts_us` times
+   pieces of the hot path alone: two clock reads, the transport's offer, and
+   `Recorder.enter`/`returned` called as methods (the wrapper does the same work inline,
+   without the two calls).
 
     python bench/overhead.py [--runs R] [--rounds N] [--block-steps S] [--control] [--step-times]
                              [--separate-jobs N] [--calls C] [--blocks B]
@@ -450,6 +455,62 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
             settle()
         ar_diffs = [t - b for t, b in zip(ar_traced, ar_bare, strict=True)]
 
+        # Functional collectives (DTensor, tensor parallelism): funcol's all_reduce and the wait
+        # on its result, bare and through the recorder's wrappers (agent/functional.py), and
+        # the wrapper alone around a no-op with funcol's signature that returns its input
+        # (a result already waited for: the call is entered and ended at once).
+        import torch.distributed._functional_collectives as funcol
+
+        from tracehound.agent import functional
+
+        world = dist.group.WORLD
+        bare_fc = funcol.all_reduce
+        op_wait = torch.ops._c10d_functional.wait_tensor
+
+        def fc_bare(t: Any) -> Any:
+            return op_wait(bare_fc(t, "sum", world).elem)
+
+        def fc_noop(self: Any, reduceOp: str, group: Any, tag: str = "") -> Any:
+            return self
+
+        functional.install_functional(recorder)
+        traced_fc, traced_wait = funcol.all_reduce, funcol.wait_tensor
+        state = functional._state
+        if traced_fc is bare_fc or state is None:
+            raise RuntimeError("install_functional did not wrap funcol.all_reduce")
+        fc_wrapped_noop = functional._wrap_call(state, "all_reduce", fc_noop,
+                                                torch.compiler.is_compiling)
+
+        def fc_traced(t: Any) -> Any:
+            return traced_wait(traced_fc(t, "sum", world).elem)
+
+        def fc_noop_bare(t: Any) -> Any:
+            return fc_noop(t, "sum", world)
+
+        def fc_noop_traced(t: Any) -> Any:
+            return fc_wrapped_noop(t, "sum", world)
+
+        fc_calls = max(200, calls // 20)
+        for fn in (fc_bare, fc_traced):
+            per_call_us(fn, one, 200)
+        fc_pairs: list[tuple[float, float]] = []
+        noop_pairs: list[tuple[float, float]] = []
+        for i in range(blocks):
+            first_bare = i % 2 == 0
+            b = t = 0.0
+            for which in ((0, 1) if first_bare else (1, 0)):
+                if which == 0:
+                    b = per_call_us(fc_bare, one, fc_calls)
+                else:
+                    t = per_call_us(fc_traced, one, fc_calls)
+            fc_pairs.append((t, b))
+            nb = quiet(fc_noop_bare, calls)
+            nt = quiet(fc_noop_traced, calls)
+            noop_pairs.append((nt, nb))
+            settle()
+        fc_diffs = [t - b for t, b in fc_pairs]
+        fc_record = [t - b for t, b in noop_pairs]
+
         # The hot path by part, each timed alone (the queue is a fresh, unstarted transport).
         def fresh() -> SocketTransport:
             return SocketTransport(str(tmp / "nowhere.sock"), bound=calls + 10)
@@ -495,6 +556,13 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
             "all_reduce_traced_us": round(statistics.median(ar_traced), 3),
             "all_reduce_diff_us": round(statistics.median(ar_diffs), 3),
             "all_reduce_diff_iqr": [round(x, 3) for x in quartiles(ar_diffs)],
+            "functional_record_us": round(statistics.median(fc_record), 3),
+            "functional_record_iqr": [round(x, 3) for x in quartiles(fc_record)],
+            "functional_all_reduce_us": round(statistics.median(b for _, b in fc_pairs), 3),
+            "functional_all_reduce_traced_us": round(statistics.median(t for t, _ in fc_pairs),
+                                                     3),
+            "functional_all_reduce_diff_us": round(statistics.median(fc_diffs), 3),
+            "functional_all_reduce_diff_iqr": [round(x, 3) for x in quartiles(fc_diffs)],
             "parts_us": {
                 "clock_reads_x2": round(clocks - nothing, 3),
                 "transport_offer": round(offer - nothing, 3),
