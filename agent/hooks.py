@@ -88,6 +88,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tracehound.agent import backend
 from tracehound.agent.recorder import Dtype, Recorder, Token
 
 log = logging.getLogger(__name__)
@@ -538,6 +539,7 @@ class _Installer:
                 self.pairs.clear()
                 self.recorder.set_rank(int(self.dist.get_rank()))
                 self.announce(self.c10d._get_default_group())
+                self.watch_backends()
                 self.on_group()
             except Exception as exc:
                 self.recorder.note_error("init_process_group", exc)
@@ -545,6 +547,11 @@ class _Installer:
 
         setattr(init_process_group, _WRAPPED, original)
         return init_process_group
+
+    def watch_backends(self) -> None:
+        """Have the heartbeat thread read the backends' own progress (`agent.backend`)."""
+        backend.install_backend_progress(self.recorder, self.dist,
+                                         counted=_ddp_counts.__contains__)
 
     def wrap_factory(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap a function that creates a process group: announce the group it returns."""
@@ -834,6 +841,7 @@ def install_distributed(recorder: Recorder, on_group: Callable[[], None] = lambd
         try:
             recorder.set_rank(int(dist.get_rank()))
             installer.announce(dist.distributed_c10d._get_default_group())
+            installer.watch_backends()
             on_group()
         except Exception as exc:
             recorder.note_error("install_distributed", exc)

@@ -488,17 +488,21 @@ class Recorder:
         return _time_ns() if self.wall_clock else self.clock() * 1000
 
     def counted(self, group_name: str, op: str, entered: int, completed: int = -1, *,
-                entered_us: int = 0) -> None:
+                entered_us: int = 0, relabel: bool = False) -> None:
         """Progress in a group seen by counting rather than call by call (DDP's own
-        communication, `hooks._DdpCount`): `entered` operations so far (the last at
-        `entered_us`, or now), the first `completed` of them known complete (-1: no news).
-        Neither goes back. The group's heartbeat shows `op` pending while entered >
-        completed."""
+        communication, `hooks._DdpCount`; a backend's, `backend.BackendProgress`): `entered`
+        operations so far (the last at `entered_us`, or now), the first `completed` of them
+        known complete (-1: no news). Neither goes back. The group's heartbeat shows `op`
+        pending while entered > completed; with `relabel`, `op` also renames the latest one
+        entered when it was counted before."""
         now = self.now_ns()
         with self._lock:
             group = self._group(group_name)
+            last = group.last
             if entered > group.last_enqueued:
                 group.last = (group, entered, op, 0, "", -1, entered_us * 1000 or now)
+            elif relabel and last is not None and last[1] == entered and last[2] != op:
+                group.last = (group, entered, op, 0, "", -1, last[6])
             if completed > group.last_completed:
                 group.done = (min(completed, group.last_enqueued), now)
 

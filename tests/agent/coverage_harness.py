@@ -22,6 +22,7 @@ from typing import Any
 
 from agent_harness import PYTHON, collect, free_port, rank_env
 
+from tracehound.agent.backend import BACKEND_SUFFIX
 from tracehound.tracing.events import (
     CollectiveEvent,
     CollectiveState,
@@ -185,7 +186,9 @@ def group_ranks(run: Run) -> dict[str, tuple[int, ...]]:
         assert len(seen) == 1, f"group {group} announced with different ranks: {seen}"
         ranks = seen.pop()
         assert all(len(lists) == 1 for lists in by_rank.values()), f"{group} announced twice"
-        if P2P_MARK in group and group.endswith(":any"):
+        if (P2P_MARK in group and group.endswith(":any")) or group.endswith(BACKEND_SUFFIX):
+            # a receive from any source; a backend's progress, announced by the members that
+            # were seen waiting in it (agent/backend.py)
             out[group] = ranks
             continue
         assert sorted(by_rank) == sorted(ranks), (

@@ -8,7 +8,7 @@ the records with, as `fact <json>` lines.
 
     python coverage_job.py SCENARIO    (ddp, ddp_hooks, ddp_untraced, ddp_counted, fsdp2,
                                         pipeline, subgroups, alltoall, objects, async,
-                                        inflight, functional)
+                                        inflight, functional, untraced)
 """
 
 from __future__ import annotations
@@ -414,11 +414,42 @@ def functional(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def untraced(rank: int, world: int) -> None:
+    """Collectives no wrapper sees, each waited in for about 3 s by rank 0 while rank 1 is busy:
+    an all_reduce through a process group's own method, then one inside a torch.compile'd
+    function (the graph calls funcol's C++ ops itself). Rank 0's heartbeats must show each as
+    pending in the group's backend progress (`<group>:c10d`)."""
+    import torch.distributed._functional_collectives as funcol
+
+    side = dist.new_group(list(range(world)))
+    fact(kind="side", name=side.group_name)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3.0)
+    fact(kind="method_enter_us", t=time.time_ns() // 1000)
+    side.allreduce([torch.ones(4)]).wait()
+    fact(kind="method_left_us", t=time.time_ns() // 1000)
+
+    @torch.compile
+    def twice_summed(x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x * 2, "sum", side) + 1
+
+    fact(kind="compiled_first", value=twice_summed(torch.ones(4)).tolist())
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3.0)
+    fact(kind="compiled_enter_us", t=time.time_ns() // 1000)
+    fact(kind="compiled", value=twice_summed(torch.ones(4)).tolist())
+    fact(kind="compiled_left_us", t=time.time_ns() // 1000)
+    dist.barrier()
+
+
 SCENARIOS = {
     "ddp": ddp, "ddp_hooks": ddp_hooks, "ddp_untraced": ddp_untraced,
     "ddp_counted": ddp_counted, "ddp_paced": ddp_paced, "fsdp2": fsdp2,
     "pipeline": pipeline, "subgroups": subgroups, "alltoall": alltoall, "objects": objects,
     "async": async_ops, "inflight": inflight, "functional": functional,
+    "untraced": untraced,
 }
 
 

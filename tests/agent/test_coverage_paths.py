@@ -312,3 +312,33 @@ def test_functional_collectives_are_recorded_in_their_groups(tmp_path: Path) -> 
         last[hb.rank] = hb
     for hb in last.values():
         assert all(g.last_completed == g.last_enqueued for g in hb.groups), hb.groups
+
+
+def test_collectives_no_wrapper_sees_show_in_the_backends_progress(tmp_path: Path) -> None:
+    """A process group's own method and a torch.compile'd functional collective pass no
+    wrapper: while rank 0 waits about 3 s in each (rank 1 is late), its heartbeats report the
+    group's backend progress (`<group>:c10d`, agent/backend.py) with the collective pending
+    from within a heartbeat of its start, and named once it has waited a second; the compiled
+    result is right."""
+    run = run_scenario("untraced", 2, tmp_path)
+    side = run.fact(0, "side")["name"]
+    assert run.fact(0, "compiled")["value"] == [5.0] * 4
+    backend = f"{side}:c10d"
+    assert group_ranks(run)[backend] == (0, 1)
+    pending = [(hb.time_us, g) for hb in run.beats if hb.rank == 0 for g in hb.groups
+               if g.group == backend and g.pending_op]
+    assert pending, [hb.groups for hb in run.beats if hb.rank == 0][-3:]
+    for label in ("method", "compiled"):
+        enter, left = run.fact(0, f"{label}_enter_us")["t"], run.fact(0, f"{label}_left_us")["t"]
+        inside = [g for t, g in pending if enter <= t <= left]
+        assert inside, (label, enter, left, [t for t, _ in pending])
+        # named from its Flight Recorder entry once in flight for a second ("untraced" before)
+        assert inside[-1].pending_op == "all_reduce", inside
+        assert {g.pending_op for g in inside} <= {"all_reduce", "untraced"}, inside
+        assert all(g.last_enqueue_us - enter < 700_000 for g in inside), inside
+    # numbered as the group's backend numbers its collectives: the method's is its first
+    method = {g.last_enqueued for t, g in pending
+              if run.fact(0, "method_enter_us")["t"] <= t <= run.fact(0, "method_left_us")["t"]}
+    compiled = {g.last_enqueued for t, g in pending
+                if run.fact(0, "compiled_enter_us")["t"] <= t}
+    assert method == {1} and min(compiled) > 1, (method, compiled)

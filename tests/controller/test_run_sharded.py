@@ -71,37 +71,45 @@ def check_each_stop(incidents: list[Any], stopped: dict[int, dict[str, Any]], ra
         assert 0 < start < reached, (attempt, resumed)
 
 
-def test_fsdp2_rank_stopped_in_all_gather_clip_and_optimizer(tmp_path: Path) -> None:
+def test_fsdp2_rank_stopped_in_all_gather_clip_optimizer_and_an_untraced_group(
+        tmp_path: Path) -> None:
     """2 nodes x 2 ranks, every linear layer fully_shard'ed, gradient clipping every step
-    (DTensor's functional all_reduce), a checkpoint every 10 steps; rank 1 stops inside an
+    (DTensor's functional all_reduce), a checkpoint every 10 steps, and an all_reduce every
+    step through a process group's own method (no wrapper sees it); rank 1 stops inside an
     all-gather (attempt 0), inside clip_grad_norm_ before its all_reduce (1), in the optimizer
-    step (2). The functional all_reduce of the clipping is in the trace: the peers are seen
-    waiting in it."""
+    step (2) and before the untraced all_reduce (3). The functional all_reduce of the clipping
+    is in the trace: the peers are seen waiting in it; the untraced one is seen through the
+    group's backend progress (its Flight Recorder's counts, agent/backend.py)."""
     log = tmp_path / "stops"
     outcome, incidents = run_and_list(tmp_path, "fsdp-stops", [
-        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "3", script(),
-        "--layout", "fsdp", "--steps", "45", "--checkpoint-every", "10",
-        "--stop", "all_gather@0", "--stop", "clip@1", "--stop", "optim@2",
-        "--stop-rank", "1", "--stop-log", str(log),
+        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "4", "--max-restarts", "4",
+        script(), "--layout", "fsdp", "--steps", "55", "--checkpoint-every", "10",
+        "--untraced-group", "--stop", "all_gather@0", "--stop", "clip@1", "--stop", "optim@2",
+        "--stop", "untraced@3", "--stop-rank", "1", "--stop-log", str(log),
     ])
     assert outcome["completed"] is True, outcome
     stopped = stops(log)
     assert sorted((a, s["point"]) for a, s in stopped.items()) == [
-        (0, "all_gather"), (1, "clip"), (2, "optim")]
+        (0, "all_gather"), (1, "clip"), (2, "optim"), (3, "untraced")]
     check_each_stop(incidents, stopped, 1, {a: "control_dependency" for a in stopped},
                     resumed_steps(f"chdb://{tmp_path / 'store'}", "fsdp-stops"))
-    clip = beside_observed_stragglers(incidents)[1]["verdict"]
-    waits = [e for e in clip["evidence"] if e["fact"] == "waiting"]
+    hangs = beside_observed_stragglers(incidents)
+    waits = [e for e in hangs[1]["verdict"]["evidence"] if e["fact"] == "waiting"]
     assert waits and all("all_reduce" in e["detail"] for e in waits), waits
+    backend = [e for e in hangs[3]["verdict"]["evidence"] if e["fact"] == "waiting"]
+    assert backend and all(e["group"].endswith(":c10d") for e in backend), backend
 
 
-def test_tensor_parallel_functional_collectives_and_an_untraced_group(tmp_path: Path) -> None:
+def test_tensor_parallel_functional_collectives_and_the_standstill_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2 nodes x 1 rank, a tensor-parallel MLP (ColwiseParallel, RowwiseParallel), which
     communicates through functional collectives only, plus an all_reduce every step through a
-    process group's own method, which no recorder hook sees. Rank 1 stops before its forward
-    (attempt 0: its peer waits in the forward's functional all_reduce) and before the untraced
-    all_reduce (attempt 1: nothing traced is pending; the job's standstill alone names it).
-    The store holds the functional collectives with their group, sequence and op."""
+    process group's own method, with the Flight Recorder off (TORCH_FR_BUFFER_SIZE=0): no
+    recorder hook sees that group at all. Rank 1 stops before its forward (attempt 0: its peer
+    waits in the forward's functional all_reduce) and before the untraced all_reduce (attempt
+    1: nothing traced is pending; the job's standstill alone names it). The store holds the
+    functional collectives with their group, sequence and op."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     log = tmp_path / "stops"
     outcome, incidents = run_and_list(tmp_path, "tp-stops", [
         "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "2", script(),
