@@ -42,6 +42,9 @@ BACKEND_SUFFIX = ":c10d"
 """The reported group of a process group's backend progress: `<group>:c10d`."""
 UNTRACED_OP = "untraced"
 """The pending op of a backend group whose Flight Recorder entry was not read (yet)."""
+_LOOK_EVERY = 0.9
+"""Looks are at least this many heartbeat intervals apart (a little less than one, so that the
+wake of each heartbeat looks)."""
 _READ_AGAIN_S = 1.0
 """A full read of the Flight Recorder's entries is made at most this often, and at most once
 for each collective that stays in flight (`_Seen.read`)."""
@@ -78,11 +81,17 @@ class BackendProgress:
         """Flight Recorder group id -> group name."""
         self.reported: set[str] = set()
         self.read_us = 0
+        self.next_us = 0
 
     def look(self) -> None:
-        """Read the backends' progress and report the groups that need it (heartbeat thread)."""
-        status = json.loads(self.status(False)).get("pg_status") or {}
+        """Read the backends' progress and report the groups that need it (heartbeat thread:
+        at most once a heartbeat interval, though it wakes ten times as often while a call is
+        pending)."""
         now = self.recorder.now_us()
+        if now < self.next_us:
+            return
+        self.next_us = now + int(self.recorder.heartbeat_s * 1e6 * _LOOK_EVERY)
+        status = json.loads(self.status(False)).get("pg_status") or {}
         after_us = int(self.recorder.inflight_s * 1e6)
         for uid, counts in status.items():
             enqueued = int(counts.get("last_enqueued_collective", -1))
