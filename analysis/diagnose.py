@@ -109,6 +109,12 @@ def _within_a_step(stall: Verdict, snap: JobSnapshot) -> bool:
     return step_us > 0 and bool(busy) and max(busy) * 1e6 < step_us
 
 
+def _whole_job(verdict: Verdict, snap: JobSnapshot) -> bool:
+    """Whether a verdict names every rank of the job (nobody stands out)."""
+    ranks = set(snap.expected_ranks) | {int(hb.rank) for hb in snap.heartbeats}
+    return len(ranks) > 1 and set(verdict.culprit_ranks) >= ranks
+
+
 def diagnose_observation(obs: Observation | JobSnapshot,
                          settings: DetectionSettings | None = None) -> Verdict | None:
     """The best verdict for the observation, or None while nothing is wrong. This is the one
@@ -144,7 +150,7 @@ def diagnose_observation(obs: Observation | JobSnapshot,
                 return with_health_evidence(hang, obs, settings)
             stall = hang
         else:
-            if hang.basis is Basis.UNLOCALIZED:
+            if hang.basis is Basis.UNLOCALIZED or _whole_job(hang, snap):
                 hang = detect_silent_hang(obs, settings, stall=hang) or hang
             return _explained(hang, obs, settings)
 

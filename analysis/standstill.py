@@ -26,8 +26,10 @@ Verdicts, only when every rank that is neither frozen nor exited has made no pro
 - nobody frozen, every rank seen waiting: a hang that no rank can be named for (`unlocalized`);
   their stacks may still tell (`analysis.stacks`).
 - nobody frozen, nobody seen waiting: every rank busy on its own (a checkpoint on every rank, an
-  evaluation): nothing here; a throughput collapse is judged after the busy grace
-  (`analysis.stacks`).
+  evaluation): nothing while it lasts less than the busy grace (a stall incident for every
+  long checkpoint of every rank would be noise, and nobody waits on anybody); past it, a hang
+  on every rank (`busy_timeout`: the program, not a machine), which their stacks may still
+  localize (`analysis.stacks`). Never "healthy".
 
 A rank that has not progressed at all yet (starting up) and a job some rank of which has exited
 (it ends, or a crash that `detect_crash` judges) are not judged.
@@ -120,8 +122,11 @@ def detect_standstill(snap: JobSnapshot, settings: DetectionSettings) -> Verdict
         return _frozen_hang(snap, culprits=culprits, lives=lives, beats=beats, idle=idle,
                             waits=waits, still_us=still, node_of=node_of, nodes=nodes,
                             max_evidence=settings.max_evidence)
-    if frozen or not waits:
-        return None  # only ranks silent too briefly, or every rank busy on its own
+    if frozen:
+        return None  # only ranks silent too briefly
+    if not waits:
+        return _all_busy(snap, running=running, lives=lives, beats=beats, idle=idle,
+                         nodes=nodes, node_of=node_of, settings=settings)
     busy = [r for r in running if r not in waits]
     waited = max(idle[r] for r in waits)
     peer_facts = _peer_facts(running, beats=beats, idle=idle, waits=waits, node_of=node_of,
@@ -165,6 +170,36 @@ def detect_standstill(snap: JobSnapshot, settings: DetectionSettings) -> Verdict
         job=snap.job, attempt=snap.attempt, kind=kind, culprit_ranks=ordered,
         culprit_nodes=ordered_nodes(ordered, nodes), confidence=confidence, basis=basis,
         summary=summary, evidence=tuple(evidence), observed_at_us=snap.now_us,
+    )
+
+
+def _all_busy(snap: JobSnapshot, *, running: list[int], lives: Mapping[int, RankLife],
+              beats: Mapping[int, Heartbeat], idle: Mapping[int, int], nodes: Mapping[int, str],
+              node_of: Callable[[int], str], settings: DetectionSettings) -> Verdict | None:
+    """Every rank busy outside collectives, nobody waiting: a hang on all of them once the
+    least idle has been so for the busy grace."""
+    still = min(idle.values())
+    if still < int(settings.busy_grace_s * _US):
+        return None
+    ordered = tuple(running)
+    evidence = [
+        Evidence(
+            fact=Fact.BUSY, rank=r, node=node_of(r), value=idle[r] / _US,
+            detail=(f"rank {r} on node {node_of(r)} is alive and outside collectives for "
+                    f"{idle[r] / _US:.1f} s ({lives[r].why}; {_progress_words(beats[r])})"
+                    + (f"; at {where}" if (where := where_words(lives[r], progress_us(beats[r])))
+                       else "")),
+        )
+        for r in ordered[:settings.max_evidence]
+    ]
+    return Verdict(
+        job=snap.job, attempt=snap.attempt, kind=IncidentKind.HANG, culprit_ranks=ordered,
+        culprit_nodes=ordered_nodes(ordered, nodes), confidence=UNSURE,
+        basis=Basis.BUSY_TIMEOUT,
+        summary=(f"no rank has progressed for {still / _US:.1f} s, longer than the busy grace "
+                 f"of {settings.busy_grace_s:.0f} s, every one alive and outside collectives "
+                 "(no traced collective is pending): the program is stuck"),
+        evidence=tuple(evidence), observed_at_us=snap.now_us,
     )
 
 

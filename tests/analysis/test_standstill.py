@@ -40,14 +40,15 @@ def proc(rank: int, state: str, at_us: int, cpu_rate: float = 0.0) -> ProcessSam
 
 
 def still_job(idle_s: float, *, stopped: int | None = 2, waiting: tuple[int, ...] = (0, 1, 3),
-              busy: tuple[int, ...] = (), silent_s: float = 0.0) -> Observation:
-    """Four ranks whose last step (87) and last traced collective (#736 of group 0, completed)
-    ended `idle_s` ago; `stopped` SIGSTOPped (its heartbeats ended then, its process state T)
-    unless `silent_s` makes it only silent; `waiting` ranks' stacks in a functional collective's
-    wait, `busy` ones' in a checkpoint write."""
+              busy: tuple[int, ...] = (), silent_s: float = 0.0, ranks: int = 4
+              ) -> Observation:
+    """`ranks` ranks whose last step (87) and last traced collective (#736 of group 0,
+    completed) ended `idle_s` ago; `stopped` SIGSTOPped (its heartbeats ended then, its
+    process state T) unless `silent_s` makes it only silent; `waiting` ranks' stacks in a
+    functional collective's wait, `busy` ones' in a checkpoint write."""
     last = NOW - int(idle_s * S)
     beats = []
-    for r in range(4):
+    for r in range(ranks):
         at = (last + S // 10) if r == stopped else NOW - S // 5
         if r == stopped and silent_s:
             at = NOW - int(silent_s * S)
@@ -55,10 +56,11 @@ def still_job(idle_s: float, *, stopped: int | None = 2, waiting: tuple[int, ...
                           step_us=last))
     stacks = [stack(r, *WAIT_TENSOR, at_us=NOW - S) for r in waiting]
     stacks += [stack(r, *CHECKPOINT, at_us=NOW - S) for r in busy]
-    processes = [proc(r, "S", NOW - S // 2) for r in range(4) if r != stopped]
+    processes = [proc(r, "S", NOW - S // 2) for r in range(ranks) if r != stopped]
     if stopped is not None and not silent_s:
         processes.append(proc(stopped, "T", NOW - S // 2))
-    snap = replace(snapshot(NOW, 4, beats), processes=tuple(processes), stacks=tuple(stacks))
+    snap = replace(snapshot(NOW, ranks, beats), processes=tuple(processes),
+                   stacks=tuple(stacks))
     return Observation.of(snap)
 
 
@@ -139,12 +141,24 @@ def test_every_rank_waiting_with_nobody_frozen_is_an_unlocalized_hang() -> None:
     assert verdict.confidence <= 0.3
 
 
-def test_every_rank_busy_on_its_own_is_no_verdict_here() -> None:
-    """A checkpoint written by every rank: nobody waits, nobody is frozen; judged (if at all)
-    after the busy grace as a throughput collapse, never at the hang threshold."""
+def test_every_rank_busy_on_its_own_is_a_hang_only_past_the_busy_grace() -> None:
+    """A checkpoint written by every rank: nobody waits, nobody is frozen: nothing at the hang
+    threshold; past the busy grace a hang on every rank (the program's, no machine's), which
+    the stacks localize when one rank is elsewhere."""
     obs = still_job(12.0, stopped=None, waiting=(), busy=(0, 1, 2, 3))
     assert detect_standstill(obs.snapshot, SETTINGS) is None
     assert diagnose_observation(obs, SETTINGS) is None
+    stuck = diagnose_observation(still_job(700.0, stopped=None, waiting=(), busy=(0, 1, 2, 3)),
+                                 SETTINGS)
+    assert stuck is not None
+    assert stuck.kind is IncidentKind.HANG and stuck.basis is Basis.BUSY_TIMEOUT
+    assert stuck.culprit_ranks == (0, 1, 2, 3) and stuck.confidence <= 0.3
+    odd = still_job(700.0, stopped=None, waiting=(), busy=tuple(range(8)), ranks=8)
+    stacks = tuple(s if s.rank != 2 else stack(2, "train.py:300 evaluate", at_us=NOW - S)
+                   for s in odd.snapshot.stacks)
+    localized = diagnose_observation(
+        replace(Observation.of(replace(odd.snapshot, stacks=stacks)), stacks=stacks), SETTINGS)
+    assert localized is not None and localized.culprit_ranks == (2,), localized
 
 
 def test_a_job_with_an_exited_rank_is_left_to_the_crash_detector() -> None:
