@@ -17,6 +17,8 @@ CASES = [
     ("hang_sigstop_rank3", "hang", (3,), ("node-1",), Basis.CONTROL_DEPENDENCY),
     ("crash_sigkill_rank1", "crash", (1,), ("node-0",), Basis.EXIT_STATUS),
     ("hang_sigstop_rank1_chain", "hang", (1,), ("node-0",), Basis.CONTROL_DEPENDENCY),
+    ("hang_sigstop_fsdp2_clip_rank1", "hang", (1,), ("node-2",), Basis.CONTROL_DEPENDENCY),
+    ("hang_sigstop_tp_untraced_rank1", "hang", (1,), ("node-2",), Basis.STANDSTILL),
 ]
 
 
