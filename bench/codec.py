@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import legacy_wire as old
 
-from tracehound.agent.node import NodeAgent
-from tracehound.agent.spool import Spool
+from tracehound.agent.node.daemon import NodeAgent
+from tracehound.agent.node.spool import Spool
 from tracehound.tracing import wire as new
 from tracehound.tracing.events import (
     Batch,

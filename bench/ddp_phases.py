@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _timed_entry_points(counts: dict[str, list[float]]) -> None:
     """Wrap each recorder entry point so that its calls and wall time add up in `counts`."""
-    from tracehound.agent import hooks, recorder
+    from tracehound.agent.rank import hooks, recorder
 
     owners = {"_Reducer": hooks._Reducer, "_DdpCount": hooks._DdpCount,
               "Recorder": recorder.Recorder}
@@ -99,7 +99,7 @@ def worker(args: argparse.Namespace) -> int:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from tracehound.agent import hooks
+    from tracehound.agent.rank import hooks
 
     started = start("ddp_phases")
     if started is None:

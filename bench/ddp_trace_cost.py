@@ -56,9 +56,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from tracehound.agent import hooks
-    from tracehound.agent.recorder import Recorder
-    from tracehound.agent.transport import SocketTransport
+    from tracehound.agent.rank import hooks
+    from tracehound.agent.rank.recorder import Recorder
+    from tracehound.agent.rank.transport import SocketTransport
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="tracehound-ddpcost-"))

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from tracehound.analysis.detect import DetectionSettings
-from tracehound.controller.demo import FaultInjector, run_demo_in_session, training_script
-from tracehound.controller.local import LocalOrchestrator
-from tracehound.controller.policy import PolicySettings
-from tracehound.controller.session import store_session
-from tracehound.controller.supervisor import JobSpec, Supervisor, SupervisorSettings
+from tracehound.controller.cli.demo import FaultInjector, run_demo_in_session, training_script
+from tracehound.controller.cli.session import store_session
+from tracehound.controller.orchestrators.local import LocalOrchestrator
+from tracehound.controller.policy.recovery import PolicySettings
+from tracehound.controller.supervision.supervisor import JobSpec, Supervisor, SupervisorSettings
 from tracehound.tracing.ids import JobId
 
 

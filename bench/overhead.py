@@ -125,7 +125,7 @@ def one_run(*, recorder: bool, steps: int, sleep_ms: float, nnodes: int, nproc: 
             workdir: Path, width: int = 64, batch: int = 32, launcher: str = "instrument"
             ) -> float:
     """One job run; its step time in ms (1000 / the mean steady-state rate of its ranks)."""
-    from tracehound.controller.demo import training_script
+    from tracehound.controller.cli.demo import training_script
 
     env = job_env(recorder=recorder)
     job = "on" if recorder else "off"
@@ -364,9 +364,9 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from tracehound.agent import hooks
-    from tracehound.agent.recorder import Recorder
-    from tracehound.agent.transport import SocketTransport
+    from tracehound.agent.rank import hooks
+    from tracehound.agent.rank.recorder import Recorder
+    from tracehound.agent.rank.transport import SocketTransport
     from tracehound.tracing.events import now_us
 
     tmp = Path(tempfile.mkdtemp(prefix="tracehound-hotpath-"))
@@ -461,7 +461,7 @@ def hot_path_worker(calls: int, blocks: int) -> dict[str, Any]:
         # (a result already waited for: the call is entered and ended at once).
         import torch.distributed._functional_collectives as funcol
 
-        from tracehound.agent import functional
+        from tracehound.agent.rank import functional
 
         world = dist.group.WORLD
         bare_fc = funcol.all_reduce

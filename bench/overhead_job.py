@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start(script: str) -> tuple[int, int] | None:
     """Join the job's gloo group; (rank, world size), or None (said on stderr) when the recorder
     is not installed in this rank. `script` names the caller in the message."""
-    from tracehound.agent import autoinstall
+    from tracehound.agent.rank import autoinstall
 
     dist.init_process_group("gloo")
     if autoinstall.recorder() is None:
@@ -97,7 +97,7 @@ def batch(rank: int, width: int, size: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tracehound.agent import hooks
+    from tracehound.agent.rank import hooks
 
     started = start("overhead_job")
     if started is None:

@@ -48,7 +48,7 @@ MARKER = "TRACEHOUND_BENCH_RUN"
 
 
 def script() -> str:
-    from tracehound.controller.demo import training_script
+    from tracehound.controller.cli.demo import training_script
 
     return str(training_script())
 

@@ -4,9 +4,9 @@ count of events lost and stored twice.
 
 The ranks are light emitter processes, not torch jobs (too heavy for a small machine): each hosts
 a few ranks, and each rank is the real recorder path of a training process, a
-`tracehound.agent.recorder.Recorder` (collectives through `begin`/`end`, heartbeats from its
-own thread) handing its records to its own `tracehound.agent.transport.SocketTransport`
-connected to its node's agent. The node agents are real `tracehound.agent.node` processes
+`tracehound.agent.rank.recorder.Recorder` (collectives through `begin`/`end`, heartbeats from its
+own thread) handing its records to its own `tracehound.agent.rank.transport.SocketTransport`
+connected to its node's agent. The node agents are real `tracehound.agent.node.daemon` processes
 (spool, shipper, process watcher) shipping straight into the server (`--sink clickhouse://`).
 Each rank emits `--rate` collectives a second (two process groups, alternating) for
 `--duration` seconds, paced against the wall clock.
@@ -105,8 +105,8 @@ class CountingSink:
 
 def emitter_main(argv: list[str]) -> int:
     """One emitter process: ranks of one node, each with a real Recorder and SocketTransport."""
-    from tracehound.agent.recorder import Recorder
-    from tracehound.agent.transport import SocketTransport
+    from tracehound.agent.rank.recorder import Recorder
+    from tracehound.agent.rank.transport import SocketTransport
 
     parser = argparse.ArgumentParser(prog="soak.py --emitter")
     parser.add_argument("--socket", required=True)
@@ -294,8 +294,8 @@ class Probe(threading.Thread):
 
     def __init__(self, url: str, job: str, sockets: list[str], every_s: float) -> None:
         super().__init__(name="soak-probe", daemon=True)
-        from tracehound.agent.recorder import Recorder
-        from tracehound.agent.transport import SocketTransport
+        from tracehound.agent.rank.recorder import Recorder
+        from tracehound.agent.rank.transport import SocketTransport
 
         self.url = url
         self.job = job

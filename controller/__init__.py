@@ -13,16 +13,16 @@ import importlib
 from typing import Any
 
 _FACE = {
-    "JobSpec": "supervisor",
-    "Supervisor": "supervisor",
-    "SupervisorSettings": "supervisor",
-    "RunResult": "supervisor",
-    "PolicySettings": "policy",
-    "KindRule": "policy",
-    "plan_recovery": "policy",
-    "diagnose_stored": "explain",
-    "format_verdict": "explain",
-    "main": "cli",
+    "JobSpec": "supervision.supervisor",
+    "Supervisor": "supervision.supervisor",
+    "SupervisorSettings": "supervision.supervisor",
+    "RunResult": "supervision.supervisor",
+    "PolicySettings": "policy.recovery",
+    "KindRule": "policy.recovery",
+    "plan_recovery": "policy.recovery",
+    "diagnose_stored": "cli.explain",
+    "format_verdict": "cli.explain",
+    "main": "cli.main",
 }
 
 __all__ = [

@@ -5,7 +5,7 @@ default) or JSON: top level `version` ("2.3" to "2.10" here), `pg_config` (group
 and member ranks as a string such as "[0, 1]"; empty on gloo), `pg_status` (per group: last
 enqueued / started / completed counters) and `entries` (one dict per operation). This module
 reads such dumps, from files (`read_dump_dir`, `read_dump_file`) or as parsed JSON
-(`parse_dump`; `tracehound.agent.flightrecorder.read_live` reads a running rank's own), and maps
+(`parse_dump`; `tracehound.agent.sources.live_fr.read_live` reads a running rank's own), and maps
 them onto the records the analysis already understands
 (`to_records`): a ProcessGroupInfo per group, a CollectiveEvent per completed operation, one
 Heartbeat per dumped rank (its progress per group at the time of the dump) and, from what the

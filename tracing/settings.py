@@ -149,7 +149,7 @@ DEFAULT_SIM_GPUS = 8
 
 TRACEHOUND_SIM_GPU_FAULTS = "TRACEHOUND_SIM_GPU_FAULTS"
 """File of JSON lines, one injected fault each, that simulated GPUs read as it grows (see
-tracehound.agent.gpu). Unset: no injected faults."""
+tracehound.agent.sources.gpu). Unset: no injected faults."""
 
 TRACEHOUND_NCCL_RAS = "TRACEHOUND_NCCL_RAS"
 """Whether a node agent polls NCCL RAS on its local port (NCCL_RAS_ADDR, default

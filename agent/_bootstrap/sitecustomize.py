@@ -1,9 +1,9 @@
 """Interpreter-start hook for training processes launched by Tracehound.
 
 The controller puts this directory first on PYTHONPATH, so Python's `site` imports this file as
-`sitecustomize` when a rank starts. It imports `tracehound.agent.autoinstall` (which decides from
-the environment whether to record) and then runs the next `sitecustomize` on sys.path, if any, as
-opentelemetry-instrument does, so a site's own customization still happens.
+`sitecustomize` when a rank starts. It imports `tracehound.agent.rank.autoinstall` (which decides
+from the environment whether to record) and then runs the next `sitecustomize` on sys.path, if any,
+as opentelemetry-instrument does, so a site's own customization still happens.
 
 It must never raise (a failure here would stop the training process before it starts) and never
 import torch.
@@ -15,7 +15,7 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 try:
-    import tracehound.agent.autoinstall  # noqa: F401
+    import tracehound.agent.rank.autoinstall  # noqa: F401
 except Exception as _exc:  # pragma: no cover - reported, never raised
     sys.stderr.write(f"tracehound: recorder not installed: {_exc!r}\n")
 

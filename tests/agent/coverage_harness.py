@@ -22,7 +22,7 @@ from typing import Any
 
 from agent_harness import PYTHON, collect, free_port, rank_env
 
-from tracehound.agent.backend import BACKEND_SUFFIX
+from tracehound.agent.rank.backend import BACKEND_SUFFIX
 from tracehound.tracing.events import (
     CollectiveEvent,
     CollectiveState,

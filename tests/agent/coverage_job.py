@@ -95,7 +95,7 @@ def ddp_untraced(rank: int, world: int) -> None:
     for its buckets; one all_reduce of the program's own is, after it."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from tracehound.agent import hooks
+    from tracehound.agent.rank import hooks
 
     with hooks.untraced_ddp():
         model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 4)))

@@ -3,7 +3,7 @@ sink that keeps what it accepts (or refuses everything)."""
 
 from __future__ import annotations
 
-from tracehound.agent.recorder import Pending
+from tracehound.agent.rank.recorder import Pending
 
 
 class Clock:

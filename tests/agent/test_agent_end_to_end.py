@@ -18,7 +18,7 @@ from agent_harness import (
     stop,
 )
 
-from tracehound.agent.checkpoint import MARKER, latest_complete, step_path
+from tracehound.agent.rank.checkpoint import MARKER, latest_complete, step_path
 
 WORLD = 2
 STEPS = 12

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from tracehound.agent import hooks
-from tracehound.agent.recorder import Pending, Recorder, materialize
+from tracehound.agent.rank import hooks
+from tracehound.agent.rank.recorder import Pending, Recorder, materialize
 from tracehound.tracing.events import (
     CollectiveEvent,
     CollectiveState,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.agent.node import URGENT_PENDING_US, NodeAgent, urgent
-from tracehound.agent.recorder import Recorder
-from tracehound.agent.spool import Shipper, ShipResult, Spool
-from tracehound.agent.transport import SocketTransport
+from tracehound.agent.node.daemon import URGENT_PENDING_US, NodeAgent, urgent
+from tracehound.agent.node.spool import Shipper, ShipResult, Spool
+from tracehound.agent.rank.recorder import Recorder
+from tracehound.agent.rank.transport import SocketTransport
 from tracehound.tracing import wire
 from tracehound.tracing.errors import PermanentStoreError, TemporaryStoreError
 from tracehound.tracing.events import (

@@ -9,8 +9,8 @@ import json
 
 from recorder_fakes import Sink
 
-from tracehound.agent.backend import BackendProgress
-from tracehound.agent.recorder import Recorder
+from tracehound.agent.rank.backend import BackendProgress
+from tracehound.agent.rank.recorder import Recorder
 from tracehound.tracing.events import Heartbeat, ProcessGroupInfo
 from tracehound.tracing.ids import Rank
 

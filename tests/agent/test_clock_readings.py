@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracehound.agent.spool import ClockTracker, HttpSink, SpooledBatch
+from tracehound.agent.node.spool import ClockTracker, HttpSink, SpooledBatch
 from tracehound.analysis.clocks import NO_CLOCKS, ClockEstimate, with_readings
 from tracehound.tracing.events import ClockReading, CollectiveEvent, CollectiveState
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank

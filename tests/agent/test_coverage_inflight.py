@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from coverage_harness import assert_same_calls, run_scenario
 
-from tracehound.agent import autoinstall
-from tracehound.agent.recorder import Pending, Recorder
+from tracehound.agent.rank import autoinstall
+from tracehound.agent.rank.recorder import Pending, Recorder
 from tracehound.tracing.events import Heartbeat
 from tracehound.tracing.settings import SettingError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracehound.agent.hooks import _DdpCount
+from tracehound.agent.rank.hooks import _DdpCount
 
 
 class Recorder:

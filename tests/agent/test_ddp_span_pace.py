@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tracehound.agent import autoinstall
-from tracehound.agent.hooks import _DdpCount
+from tracehound.agent.rank import autoinstall
+from tracehound.agent.rank.hooks import _DdpCount
 from tracehound.tracing.settings import SettingError
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.agent import autoinstall
+from tracehound.agent.rank import autoinstall
 from tracehound.tracing.settings import SettingError
 
 CHILD = textwrap.dedent("""
@@ -20,8 +20,8 @@ CHILD = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
-    from tracehound.agent import hooks
-    from tracehound.agent.recorder import Recorder
+    from tracehound.agent.rank import hooks
+    from tracehound.agent.rank.recorder import Recorder
 
     class Sink:
         def __init__(self):

@@ -12,7 +12,7 @@ import pytest
 
 from tracehound.tracing.settings import TRACEHOUND_EXIT_FILE
 
-PROLOGUE = "import tracehound.agent.autoinstall\n"
+PROLOGUE = "import tracehound.agent.rank.autoinstall\n"
 
 
 def run(tmp_path: Path, body: str) -> tuple[int, dict[str, str]]:

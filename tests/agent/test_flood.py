@@ -34,7 +34,7 @@ import datetime, json, os, resource, sys, threading, time
 import torch
 import torch.distributed as dist
 
-from tracehound.agent import autoinstall
+from tracehound.agent.rank import autoinstall
 
 calls, out, gate = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tracehound.agent.gpu import (
+from tracehound.agent.sources.gpu import (
     GpuHealthSource,
     GpuLostError,
     NvmlGpus,

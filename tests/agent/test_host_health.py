@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracehound.agent.host import HostHealthSource
+from tracehound.agent.sources.host import HostHealthSource
 from tracehound.analysis.hardware import HealthKind, health_kind
 from tracehound.tracing.events import HealthSample, HealthSeverity
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from recorder_fakes import Clock, Sink
 
-from tracehound.agent import hooks
-from tracehound.agent.recorder import Recorder, materialize
-from tracehound.agent.transport import SocketTransport
+from tracehound.agent.rank import hooks
+from tracehound.agent.rank.recorder import Recorder, materialize
+from tracehound.agent.rank.transport import SocketTransport
 
 HEADERS = ["parameters written out", "*args, **kwargs"]
 

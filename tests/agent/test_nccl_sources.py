@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.agent.nccl import (
+from tracehound.agent.sources import SourcePoller
+from tracehound.agent.sources.nccl import (
     HostNodes,
     LocalRanks,
     NcclFormatError,
@@ -33,7 +34,6 @@ from tracehound.agent.nccl import (
     parse_ras_status,
     ras_addr_from_env,
 )
-from tracehound.agent.sources import SourcePoller
 from tracehound.analysis.hardware import HealthKind, health_kind
 from tracehound.tracing.events import (
     CollectiveEvent,
@@ -227,7 +227,7 @@ def test_ras_not_listening_is_reported_once_and_counted(
     srv = RasServer(faults_json, listen=False)  # bound, not listening: connections refused
     try:
         source = ras_source(srv.addr)
-        with caplog.at_level(logging.INFO, logger="tracehound.agent.nccl"):
+        with caplog.at_level(logging.INFO, logger="tracehound.agent.sources.nccl"):
             for i in range(3):
                 assert source.poll(T0 + i) == []
         assert source.stats.unavailable == 3
@@ -236,7 +236,7 @@ def test_ras_not_listening_is_reported_once_and_counted(
         # NCCL starts: the next poll reads it, and says so once.
         srv.listen()
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="tracehound.agent.nccl"):
+        with caplog.at_level(logging.INFO, logger="tracehound.agent.sources.nccl"):
             assert len(source.poll(T0 + 10)) == 5
         assert any("answers (NCCL 2.28.7)" in r.getMessage() for r in caplog.records)
         assert source.stats.unavailable == 3
@@ -386,7 +386,7 @@ def test_inspector_reads_growing_files_with_partial_lines(
 ) -> None:
     directory = tmp_path / "inspector"
     source = inspector(directory, ranks)
-    with caplog.at_level(logging.INFO, logger="tracehound.agent.nccl"):
+    with caplog.at_level(logging.INFO, logger="tracehound.agent.sources.nccl"):
         assert source.poll(T0) == [] and source.poll(T0) == []
     assert source.stats.dir_missing == 2
     assert len([r for r in caplog.records if "logged once" in r.getMessage()]) == 1
@@ -466,7 +466,7 @@ def test_inspector_truncated_and_replaced_files_are_read_again(
     assert len(collectives(source.poll(T0))) == 4
 
     path.write_text(lines[0])  # truncated in place (same inode), shorter than what was read
-    with caplog.at_level(logging.INFO, logger="tracehound.agent.nccl"):
+    with caplog.at_level(logging.INFO, logger="tracehound.agent.sources.nccl"):
         again = collectives(source.poll(T0))
     assert [c.seq for c in again] == [1]
     assert source.stats.restarts == 1
@@ -492,7 +492,7 @@ def test_inspector_bad_lines_are_skipped_and_nothing_else_is_lost(
     lines = sample_lines(4101)
     path.write_text(lines[0] + "this is not json\n" + '{"header": {"id": "0x1"}}\n' + lines[1])
     source = inspector(tmp_path, ranks)
-    with caplog.at_level(logging.WARNING, logger="tracehound.agent.nccl"):
+    with caplog.at_level(logging.WARNING, logger="tracehound.agent.sources.nccl"):
         got = collectives(source.poll(T0))
         append(path, "[1, 2]\n" + lines[2])
         got += collectives(source.poll(T0))

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from agent_harness import CollectingIngest
 
-from tracehound.agent.node import NodeAgent, parse_args, spool_writer
-from tracehound.agent.procwatch import (
+from tracehound.agent.node.daemon import NodeAgent, parse_args, spool_writer
+from tracehound.agent.node.procwatch import (
     ProcFs,
     ProcReading,
     ProcWatcher,
@@ -40,7 +40,7 @@ from tracehound.agent.procwatch import (
     parse_stat,
     suspicion,
 )
-from tracehound.agent.spool import Spool
+from tracehound.agent.node.spool import Spool
 from tracehound.tracing import wire
 from tracehound.tracing.errors import TemporaryStoreError
 from tracehound.tracing.events import (
@@ -286,7 +286,7 @@ def test_procfs_unreadable_io_gives_zeros_and_is_logged_once(
     (tmp_path / "4242" / "stat").write_text(stat_line("a) b"))
     (tmp_path / "4242" / "io").write_text("rchar: 1\n")  # no read_bytes/write_bytes
     proc = ProcFs(tmp_path, clock_ticks=100)
-    with caplog.at_level(logging.WARNING, logger="tracehound.agent.procwatch"):
+    with caplog.at_level(logging.WARNING, logger="tracehound.agent.node.procwatch"):
         first, second = proc.read(4242), proc.read(4242)
     expected = ProcReading(state="S", cpu_s=3.0, start_ticks=98765)
     assert first == second == expected
@@ -578,7 +578,7 @@ def test_capture_failures_are_counted_gapped_and_logged_once(
 ) -> None:
     rig = Rig(stack_after_s=2, stack_repeat_s=30, stack_min_gap_s=5)
     rig.capturer.error = "ptrace not permitted"
-    with caplog.at_level(logging.DEBUG, logger="tracehound.agent.procwatch"):
+    with caplog.at_level(logging.DEBUG, logger="tracehound.agent.node.procwatch"):
         rig.at(0, beat(pid=100, time_us=T0), beat(pid=101, rank=1, time_us=T0))
         assert rig.at(2) == [100, 101]
         assert rig.at(3) == []
@@ -612,7 +612,7 @@ def test_emit_failure_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> 
 
     rig = Rig(stack_after_s=2)
     rig.watcher.emit = full_disk
-    with caplog.at_level(logging.WARNING, logger="tracehound.agent.procwatch"):
+    with caplog.at_level(logging.WARNING, logger="tracehound.agent.node.procwatch"):
         rig.at(0, beat(pid=100, time_us=T0))
         rig.at(2)
     assert rig.watcher.stats.process_samples == 0 and rig.watcher.stats.stacks_captured == 0

@@ -7,7 +7,7 @@ import threading
 
 from recorder_fakes import Clock, Sink
 
-from tracehound.agent.recorder import Recorder
+from tracehound.agent.rank.recorder import Recorder
 from tracehound.tracing.events import GroupProgress
 
 
@@ -75,7 +75,7 @@ def test_calls_that_never_end_do_not_stay_the_oldest() -> None:
 def test_a_full_in_flight_table_is_pruned_only_after_progress() -> None:
     # Calls that never end fill the table; rebuilding it on every later call (nothing can go
     # while nothing completed) would cost each call ~100 us. It is rebuilt once progress allows.
-    from tracehound.agent import recorder as recorder_module
+    from tracehound.agent.rank import recorder as recorder_module
 
     rec = Recorder(job="job", attempt=0, node="n", rank=0, sink=Sink(), clock=Clock(),
                    heartbeat_s=0.5, pid=7)

@@ -105,7 +105,7 @@ def test_the_thread_polls_and_stops() -> None:
 
 
 def test_the_agent_options_choose_the_sources(tmp_path: Path) -> None:
-    from tracehound.agent.node import health_sources, parse_args
+    from tracehound.agent.node.daemon import health_sources, parse_args
 
     base = ["--job", "j", "--node", "n", "--sink", "http://127.0.0.1:9",
             "--spool", str(tmp_path / "spool")]

@@ -20,7 +20,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
-from tracehound.agent.telemetry import (
+from tracehound.agent.node.telemetry import (
     JOB_ATTRIBUTE,
     NODE_ATTRIBUTE,
     SHIP_DURATION,
@@ -181,7 +181,7 @@ def test_metrics_arrive_with_their_values_and_job_and_node(receiver: Receiver) -
     expected = {
         "tracehound.agent.records.received": 120, "tracehound.agent.records.rejected": 3,
         "tracehound.agent.records.dropped": 42, "tracehound.agent.records.shipped": 100,
-        "tracehound.agent.spool.pending_segments": 5, "tracehound.agent.store.retries": 2,
+        "tracehound.agent.node.spool.pending_segments": 5, "tracehound.agent.store.retries": 2,
         "tracehound.agent.store.refused": 1, "tracehound.agent.sources.errors": 1,
         "tracehound.agent.stacks.captured": 1, "tracehound.agent.connections": 2,
     }
@@ -195,9 +195,9 @@ def test_metrics_arrive_with_their_values_and_job_and_node(receiver: Receiver) -
     received, _, _, _ = got["tracehound.agent.records.received"]
     assert received.WhichOneof("data") == "sum" and received.sum.is_monotonic
     assert received.unit == "{record}"
-    pending, _, _, _ = got["tracehound.agent.spool.pending_segments"]
+    pending, _, _, _ = got["tracehound.agent.node.spool.pending_segments"]
     assert pending.WhichOneof("data") == "gauge"
-    assert "tracehound.agent.spool.size" not in got  # no spool_bytes and no spool_dir
+    assert "tracehound.agent.node.spool.size" not in got  # no spool_bytes and no spool_dir
     ship, point, _, _ = got[SHIP_DURATION]
     assert ship.WhichOneof("data") == "histogram" and ship.unit == "s"
     assert point.count == 1 and point.sum > 0
@@ -229,8 +229,8 @@ def test_later_exports_follow_the_stats_and_time_failed_shipments(
         handle.shutdown()
     assert set(receiver.paths()) == {"/custom/metrics"}
     got = receiver.latest()
-    assert got["tracehound.agent.spool.pending_segments"][1].as_int == 0
-    assert got["tracehound.agent.spool.size"][1].as_int == 1234
+    assert got["tracehound.agent.node.spool.pending_segments"][1].as_int == 0
+    assert got["tracehound.agent.node.spool.size"][1].as_int == 1234
     _, point, _, _ = got[SHIP_DURATION]
     assert point.count == 1 and attrs(point.attributes)["outcome"] == "error"
 
@@ -274,7 +274,7 @@ def test_nothing_is_started_or_sent_without_an_endpoint(receiver: Receiver) -> N
 
 def test_importing_the_agent_or_its_telemetry_does_not_import_opentelemetry() -> None:
     code = (
-        "import sys, tracehound.agent, tracehound.agent.telemetry as t\n"
+        "import sys, tracehound.agent, tracehound.agent.node.telemetry as t\n"
         "assert t.start_telemetry(dict, job='j', node='n', env={}) is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
     )

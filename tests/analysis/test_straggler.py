@@ -329,7 +329,7 @@ def test_healthy_data_parallel_windows_in_a_row_never_repeat_a_straggler() -> No
 
     from tracehound.analysis.diagnose import diagnose_observation
     from tracehound.analysis.sim import consecutive_windows
-    from tracehound.controller.policy import SOFT_REPEATS
+    from tracehound.controller.policy.recovery import SOFT_REPEATS
 
     named: list[tuple[int, ...]] = []
     for window in consecutive_windows(ranks=64, seed=11, count=12, window_s=10.0,

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from chart_harness import Rendered, containers, env_of, pod_specs, resolved_env
 
-from tracehound.agent.node import parse_args
-from tracehound.controller.alerts import load_receivers
-from tracehound.controller.kubeobjects import AGENT_UID, restricted_security_context
+from tracehound.agent.node.daemon import parse_args
+from tracehound.controller.alerts.delivery import load_receivers
+from tracehound.controller.orchestrators.kubeobjects import AGENT_UID, restricted_security_context
 
 STORE_URL = "clickhouse://default:@clickhouse:9000/tracehound"
 

@@ -15,7 +15,7 @@ import yaml
 from chart_harness import CHART, CUSTOM_VALUES, Helm, Rendered
 from jsonschema import Draft7Validator
 
-from tracehound.controller.trainingjob import crd_manifest, crd_yaml
+from tracehound.controller.operator.trainingjob import crd_manifest, crd_yaml
 
 KUBERNETES = "1.33"
 CRD_FILE = CHART / "crds" / "trainingjob.yaml"
@@ -72,8 +72,8 @@ def test_a_broken_manifest_is_caught() -> None:
 def test_crd_is_the_operators_own(default_render: Rendered) -> None:
     assert yaml.safe_load(CRD_FILE.read_text()) == crd_manifest()
     assert CRD_FILE.read_text() == crd_yaml(), (
-        "regenerate it: .venv/bin/python -c \"from tracehound.controller.trainingjob import "
-        "crd_yaml; print(crd_yaml(), end='')\" > charts/tracehound/crds/trainingjob.yaml")
+        "regenerate it: .venv/bin/python -c \"from tracehound.controller.operator.trainingjob "
+        "import crd_yaml; print(crd_yaml(), end='')\" > charts/tracehound/crds/trainingjob.yaml")
     assert default_render.of_kind("CustomResourceDefinition") == [crd_manifest()]
 
 

@@ -13,8 +13,9 @@ import pytest
 import yaml
 from chart_harness import NAMESPACE, Helm, Rendered, env_of, resolved_env
 
-from tracehound.agent.node import parse_args
-from tracehound.controller.kubeobjects import (
+from tracehound.agent.node.daemon import parse_args
+from tracehound.controller.operator.trainingjob import read_spec
+from tracehound.controller.orchestrators.kubeobjects import (
     RUN_DIR,
     SIDECAR_NAME,
     default_sidecar,
@@ -22,8 +23,7 @@ from tracehound.controller.kubeobjects import (
     rank_pod,
     restricted_security_context,
 )
-from tracehound.controller.orchestrator import AttemptPlan
-from tracehound.controller.trainingjob import read_spec
+from tracehound.controller.orchestrators.port import AttemptPlan
 from tracehound.tracing.ids import JobId, NodeId
 
 

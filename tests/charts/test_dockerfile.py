@@ -17,7 +17,7 @@ import pytest
 import yaml
 from chart_harness import CHART, REPO
 
-from tracehound.controller.kubeobjects import AGENT_UID
+from tracehound.controller.orchestrators.kubeobjects import AGENT_UID
 
 DOCKERFILE = REPO / "Dockerfile"
 

@@ -25,8 +25,8 @@ import kmock
 from kmock._internal import apps
 from kubernetes import client
 
-from tracehound.controller.operator import OperatorConfig, run_operator
-from tracehound.controller.trainingjob import GROUP, KIND, PLURAL, VERSION
+from tracehound.controller.operator.handlers import OperatorConfig, run_operator
+from tracehound.controller.operator.trainingjob import GROUP, KIND, PLURAL, VERSION
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tracehound.controller.orchestrator import AttemptPlan
+from tracehound.controller.orchestrators.port import AttemptPlan
 from tracehound.tracing.events import GroupProgress, Heartbeat, RankExit
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 

@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tracehound.controller.alerts import (
+from tracehound.controller.alerts.delivery import (
     ACTIONS_JOURNAL,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
@@ -65,9 +65,9 @@ from tracehound.controller.alerts import (
     retry_after_s,
     verify_signature,
 )
-from tracehound.controller.cli import main
-from tracehound.controller.jobstate import History, done_steps
-from tracehound.controller.policy import PlannedAction
+from tracehound.controller.cli.main import main
+from tracehound.controller.policy.recovery import PlannedAction
+from tracehound.controller.supervision.jobstate import History, done_steps
 from tracehound.tracing.errors import TemporaryStoreError
 from tracehound.tracing.events import Action, ActionKind, Incident, JobPhase, JobState
 from tracehound.tracing.ids import JobId

@@ -21,10 +21,15 @@ import pytest
 from supervisor_fakes import Clock, S, heartbeat
 
 from tracehound.analysis.detect import DetectionSettings
-from tracehound.controller.jobstate import read_history
-from tracehound.controller.orchestrator import AttemptPlan
-from tracehound.controller.status import format_status, job_status
-from tracehound.controller.supervisor import JobSpec, PollView, Supervisor, SupervisorSettings
+from tracehound.controller.cli.status import format_status, job_status
+from tracehound.controller.orchestrators.port import AttemptPlan
+from tracehound.controller.supervision.jobstate import read_history
+from tracehound.controller.supervision.supervisor import (
+    JobSpec,
+    PollView,
+    Supervisor,
+    SupervisorSettings,
+)
 from tracehound.tracing.events import (
     Action,
     ActionKind,

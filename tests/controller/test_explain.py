@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from tracehound.controller.explain import diagnose_stored, format_verdict
+from tracehound.controller.cli.explain import diagnose_stored, format_verdict
 from tracehound.tracing.events import Batch, GroupProgress, Heartbeat, RankExit
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.store import TraceStore

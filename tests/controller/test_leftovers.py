@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tracehound.controller.local import LocalOrchestrator, start_time
+from tracehound.controller.orchestrators.local import LocalOrchestrator, start_time
 from tracehound.tracing.settings import TRACEHOUND_EXIT_FILE
 
 SLEEPER = "import time\nwhile True: time.sleep(1)\n"

@@ -22,10 +22,10 @@ from kube_harness import Cluster, Emulator, config, operator, wait_for
 from supervisor_fakes import S, heartbeat
 
 from tracehound.analysis.detect import DetectionSettings
-from tracehound.controller import kubeobjects as ko
-from tracehound.controller.kubeorch import TAINT_KEY
-from tracehound.controller.operator import job_id
-from tracehound.controller.supervisor import SupervisorSettings
+from tracehound.controller.operator.handlers import job_id
+from tracehound.controller.orchestrators import kubeobjects as ko
+from tracehound.controller.orchestrators.kubernetes import TAINT_KEY
+from tracehound.controller.supervision.supervisor import SupervisorSettings
 from tracehound.tracing.events import Batch, JobPhase
 from tracehound.tracing.store import open_store
 

@@ -8,8 +8,8 @@ import pytest
 
 from tracehound.analysis.confidence import LIKELY, STRONG, TYPICAL, WEAK
 from tracehound.analysis.verdict import Basis, Verdict
-from tracehound.controller.orchestrator import AttemptPlan, NodePool, NotEnoughNodes
-from tracehound.controller.policy import (
+from tracehound.controller.orchestrators.port import AttemptPlan, NodePool, NotEnoughNodes
+from tracehound.controller.policy.recovery import (
     SOFT_KINDS,
     KindRule,
     PlannedAction,

@@ -13,15 +13,7 @@ from typing import Any
 
 import pytest
 
-from tracehound.controller.policy import (
-    DEFAULT_RULES,
-    KindRule,
-    PolicySettings,
-    Response,
-    Uncertain,
-    plan_recovery,
-)
-from tracehound.controller.policyfile import (
+from tracehound.controller.policy.file import (
     EXAMPLE,
     SCHEMA_FILE,
     PolicyConfigError,
@@ -31,6 +23,14 @@ from tracehound.controller.policyfile import (
     policy_from_document,
     policy_schema,
     policy_yaml,
+)
+from tracehound.controller.policy.recovery import (
+    DEFAULT_RULES,
+    KindRule,
+    PolicySettings,
+    Response,
+    Uncertain,
+    plan_recovery,
 )
 from tracehound.tracing.events import IncidentKind
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.controller.cli import main
-from tracehound.controller.retention import cutoff_day
+from tracehound.controller.cli.main import main
+from tracehound.controller.cli.retention import cutoff_day
 from tracehound.tracing.events import (
     Action,
     ActionKind,

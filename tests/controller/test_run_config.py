@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.controller.cli import main
+from tracehound.controller.cli.main import main
 
 
 def _run(tmp_path: Path, *flags: str) -> list[str]:

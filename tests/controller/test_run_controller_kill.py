@@ -33,7 +33,7 @@ class Controller:
     """One `tracehound run --json` process; its log lines are collected as they come."""
 
     def __init__(self, tmp_path: Path, job: str, args: list[str]) -> None:
-        from tracehound.controller.demo import training_script
+        from tracehound.controller.cli.demo import training_script
 
         self.store = f"chdb://{tmp_path / 'store'}"
         self.workdir = tmp_path / "work"

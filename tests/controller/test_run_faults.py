@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def run_job(tmp_path: Path, job: str, *script_args: str,
             extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Any]]:
-    from tracehound.controller.demo import training_script
+    from tracehound.controller.cli.demo import training_script
 
     return run_and_list(tmp_path, job, [
         "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", *extra,

@@ -28,7 +28,7 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_the_controller_stops_every_rank(tmp_path: Path, sig: signal.Signals) -> None:
-    from tracehound.controller.demo import training_script
+    from tracehound.controller.cli.demo import training_script
 
     store = tmp_path / "store"
     proc = subprocess.Popen(

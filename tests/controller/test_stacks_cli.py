@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.agent.procwatch import find_py_spy
-from tracehound.controller.stacks_cli import Captured, LocalRank, group_stacks
+from tracehound.agent.node.procwatch import find_py_spy
+from tracehound.controller.cli.stacks import Captured, LocalRank, group_stacks
 from tracehound.tracing.events import Batch, Heartbeat, now_us
 from tracehound.tracing.ids import JobId, NodeId, Rank
 

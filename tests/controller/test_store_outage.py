@@ -43,7 +43,7 @@ def wait_for_step(url: str, step: int, proc: subprocess.Popen[str]) -> None:
 
 
 def test_store_outage_mid_job_loses_nothing_and_stores_nothing_twice(tmp_path: Path) -> None:
-    from tracehound.controller.demo import training_script
+    from tracehound.controller.cli.demo import training_script
 
     server = start_server(tmp_path / "clickhouse")
     url = server.url

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tracehound.controller.supervisor import SupervisorSettings, summaries_due
+from tracehound.controller.supervision.supervisor import SupervisorSettings, summaries_due
 
 S = 1_000_000
 WARM = 100 * S  # the warm-up ended here

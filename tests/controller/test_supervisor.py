@@ -14,10 +14,15 @@ from supervisor_fakes import Clock, S, ScriptedOrchestrator, heartbeat
 
 from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.snapshot import snapshot_from_json
-from tracehound.controller.alerts import Alert
-from tracehound.controller.policy import PolicySettings
-from tracehound.controller.restarts import PHASES
-from tracehound.controller.supervisor import JobSpec, PollView, Supervisor, SupervisorSettings
+from tracehound.controller.alerts.delivery import Alert
+from tracehound.controller.policy.recovery import PolicySettings
+from tracehound.controller.supervision.restarts import PHASES
+from tracehound.controller.supervision.supervisor import (
+    JobSpec,
+    PollView,
+    Supervisor,
+    SupervisorSettings,
+)
 from tracehound.tracing.events import (
     ActionKind,
     Batch,

@@ -13,12 +13,12 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tracehound.controller import kubeobjects as ko
-from tracehound.controller.cli import main
-from tracehound.controller.kubeorch import to_model
-from tracehound.controller.operator import config_from_args, status_of
-from tracehound.controller.orchestrator import AttemptPlan
-from tracehound.controller.trainingjob import SpecError, crd_manifest, crd_yaml, read_spec
+from tracehound.controller.cli.main import main
+from tracehound.controller.operator.handlers import config_from_args, status_of
+from tracehound.controller.operator.trainingjob import SpecError, crd_manifest, crd_yaml, read_spec
+from tracehound.controller.orchestrators import kubeobjects as ko
+from tracehound.controller.orchestrators.kubernetes import to_model
+from tracehound.controller.orchestrators.port import AttemptPlan
 from tracehound.tracing.events import JobPhase, JobState
 from tracehound.tracing.ids import JobId, NodeId
 
@@ -91,7 +91,7 @@ def test_status_mirrors_a_state() -> None:
 
 
 def _operator_args(*extra: str) -> Any:
-    from tracehound.controller.cli import _parser
+    from tracehound.controller.cli.main import _parser
 
     return _parser().parse_args(["operator", *extra])
 
@@ -131,6 +131,6 @@ def test_the_bundle_imports_in_an_interpreter_without_site_packages(tmp_path: Pa
     import shutil
 
     shutil.rmtree(tmp_path / "b" / "site" / "msgspec")
-    from tracehound.controller.bundle import check_bundle
+    from tracehound.controller.cli.bundle import check_bundle
 
     assert "msgspec" in check_bundle(tmp_path / "b")

@@ -1,7 +1,8 @@
 """Warm spares: processes that imported torch before a restart become the next attempt's ranks.
 
-Real processes: the local orchestrator starts real spares (`python -m tracehound.agent.warmspare`)
-that import torch, and hands them ranks of a second attempt of a small script."""
+Real processes: the local orchestrator starts real spares (`python -m
+tracehound.agent.rank.warmspare`) that import torch, and hands them ranks of a second attempt of a
+small script."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.agent.warmspare import script_imports
-from tracehound.controller.local import LocalOrchestrator
-from tracehound.controller.orchestrator import AttemptPlan
+from tracehound.agent.rank.warmspare import script_imports
+from tracehound.controller.orchestrators.local import LocalOrchestrator
+from tracehound.controller.orchestrators.port import AttemptPlan
 from tracehound.tracing.ids import JobId, NodeId
 
 SCRIPT = '''\

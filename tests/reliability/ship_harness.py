@@ -40,7 +40,7 @@ import json as _json
 import threading as _threading
 import time as _time
 
-from tracehound.agent import autoinstall as _autoinstall
+from tracehound.agent.rank import autoinstall as _autoinstall
 
 
 class _Counting:

@@ -48,8 +48,8 @@ from reliability_harness import (
     wait_ranks,
 )
 
-from tracehound.agent.recorder import Recorder
-from tracehound.agent.transport import SocketTransport
+from tracehound.agent.rank.recorder import Recorder
+from tracehound.agent.rank.transport import SocketTransport
 from tracehound.tracing.events import CollectiveEvent, now_us
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store

@@ -23,9 +23,9 @@ import yaml  # type: ignore[import-untyped]
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tracehound.controller.alerts import AlertConfigError, load_receivers
-from tracehound.controller.policy import PolicySettings
-from tracehound.controller.policyfile import (
+from tracehound.controller.alerts.delivery import AlertConfigError, load_receivers
+from tracehound.controller.operator.trainingjob import SpecError, TrainingJobSpec, read_spec
+from tracehound.controller.policy.file import (
     EXAMPLE,
     KINDS,
     PolicyConfigError,
@@ -33,7 +33,7 @@ from tracehound.controller.policyfile import (
     policy_document,
     policy_from_document,
 )
-from tracehound.controller.trainingjob import SpecError, TrainingJobSpec, read_spec
+from tracehound.controller.policy.recovery import PolicySettings
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.store import open_store
 from tracehound.tracing.store.urls import embedded_path, mask_url, parse_server_url

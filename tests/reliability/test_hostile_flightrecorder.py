@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from tracehound.controller.importfr import cmd_import_fr
+from tracehound.controller.cli.importfr import cmd_import_fr
 from tracehound.tracing.flightrecorder import (
     DumpError,
     FrDump,

@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tracehound.agent.spool import Shipper, ShipResult, Spool, SpooledBatch, StoreSink
+from tracehound.agent.node.spool import Shipper, ShipResult, Spool, SpooledBatch, StoreSink
 from tracehound.tracing.events import RankExit
 from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.kinds import MAX_TEXT

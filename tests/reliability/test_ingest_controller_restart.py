@@ -45,10 +45,10 @@ from ship_harness import (
     tally,
 )
 
-from tracehound.agent.node import NodeAgent
-from tracehound.agent.recorder import Recorder
-from tracehound.agent.spool import HttpSink, Spool
-from tracehound.agent.transport import SocketTransport
+from tracehound.agent.node.daemon import NodeAgent
+from tracehound.agent.node.spool import HttpSink, Spool
+from tracehound.agent.rank.recorder import Recorder
+from tracehound.agent.rank.transport import SocketTransport
 from tracehound.tracing.events import Batch
 from tracehound.tracing.store import InsertReport, TraceStore, open_store
 from tracehound.tracing.store.ingest import IngestServer

@@ -45,7 +45,7 @@ from typing import Any
 import clickhouse_harness
 import pytest
 
-from tracehound.controller.alerts import (
+from tracehound.controller.alerts.delivery import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     verify_signature,
@@ -301,7 +301,7 @@ def test_a_run_with_a_crash_and_failing_receivers_logs_no_secret(
     assert len(outbox) >= 3  # the pending slack and pager deliveries, the hook's failed record
     assert {p: leaks(data.decode(errors="replace")) for p, data in written.items()
             if leaks(data.decode(errors="replace"))} == {}
-    assert len(lines.commands("tracehound.agent.node")) == 2, sorted(lines.seen)
+    assert len(lines.commands("tracehound.agent.node.daemon")) == 2, sorted(lines.seen)
     assert lines.leaking() == []
     # the outbox is no log, but it tells about the jobs: its owner's only
     alerts_dir = workdir / "leaky" / "alerts"
@@ -335,7 +335,7 @@ def test_the_dashboard_logs_no_secret(
     from streamlit.testing.v1 import AppTest
     from ui_harness import app, texts
 
-    from tracehound.controller.dashboard import app_path
+    from tracehound.controller.cli.dashboard import app_path
     from tracehound.ui.store import close_shared_store
 
     port, _ = secret_server

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from clickhouse_harness import free_port
 
-from tracehound.agent.spool import Spool
+from tracehound.agent.node.spool import Spool
 
 
 def mode(path: Path) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tracehound.controller.alerts import (
+from tracehound.controller.alerts.delivery import (
     Alert,
     AlertConfigError,
     Dispatcher,

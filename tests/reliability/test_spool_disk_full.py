@@ -53,8 +53,8 @@ from reliability_harness import (
     wait_ranks,
 )
 
-from tracehound.agent import spool as spool_module
-from tracehound.agent.spool import Spool
+from tracehound.agent.node import spool as spool_module
+from tracehound.agent.node.spool import Spool
 from tracehound.tracing import events
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
@@ -73,7 +73,7 @@ import datetime, json, os, resource, sys, threading, time
 import torch
 import torch.distributed as dist
 
-from tracehound.agent import autoinstall
+from tracehound.agent.rank import autoinstall
 
 out, stop_gate, progress = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -157,8 +157,8 @@ ENOSPC_WRAPPER = r'''
 LIMIT bytes (for hosts where the test may not mount a small tmpfs)."""
 import errno, os, sys
 
-from tracehound.agent import spool as spool_module
-from tracehound.agent.node import main
+from tracehound.agent.node import spool as spool_module
+from tracehound.agent.node.daemon import main
 
 directory, limit = sys.argv.pop(1), int(sys.argv.pop(1))
 real_write = os.write
@@ -213,7 +213,7 @@ def test_a_write_cut_short_by_a_full_disk_is_taken_back_and_counted(
                   recover_after_s=1.0)
     line = b'{"k":"' + b"x" * 91 + b'"}'  # 99 bytes, 100 with its newline
     appended = 0
-    with caplog.at_level(logging.WARNING, logger="tracehound.agent.spool"):
+    with caplog.at_level(logging.WARNING, logger="tracehound.agent.node.spool"):
         results = []
         for _ in range(8):  # 4 lines per append: the third append finds room for 2.5 of them
             results.append(spool.append([line] * 4))

@@ -65,7 +65,7 @@ def logged_step(log: Path) -> int:
 def test_store_down_for_a_minute_loses_nothing_stores_nothing_twice_and_training_goes_on(
     tmp_path: Path,
 ) -> None:
-    from tracehound.controller.demo import training_script
+    from tracehound.controller.cli.demo import training_script
 
     server = start_server(tmp_path / "clickhouse")
     url = server.url

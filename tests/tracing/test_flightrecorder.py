@@ -248,7 +248,7 @@ def test_exits_given_become_rank_exit_records() -> None:
 
 def test_read_live_without_torch_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)
-    from tracehound.agent.flightrecorder import read_live
+    from tracehound.agent.sources.live_fr import read_live
 
     assert read_live() is None
 
@@ -265,7 +265,7 @@ def test_the_module_imports_without_torch() -> None:
 LIVE = """
 import datetime, json, os
 import torch, torch.distributed as dist
-from tracehound.agent.flightrecorder import read_live
+from tracehound.agent.sources.live_fr import read_live
 before = read_live()
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))

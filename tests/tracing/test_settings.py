@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tracehound.agent.node import parse_args
+from tracehound.agent.node.daemon import parse_args
 from tracehound.tracing import settings
 from tracehound.tracing.settings import (
     DEFAULT_BUFFER_RECORDS,

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from streamlit.testing.v1 import AppTest
 
 from tracehound.analysis.sim import simulate, write_to_store
-from tracehound.controller.explain import diagnose_stored
+from tracehound.controller.cli.explain import diagnose_stored
 from tracehound.tracing.events import (
     Action,
     ActionKind,
@@ -134,7 +134,7 @@ def _live_stall(store: TraceStore) -> None:
 
 def app(url: str, view: str, monkeypatch: Any, **params: str) -> AppTest:
     """The dashboard run once headless on the store at `url`, showing `view`."""
-    from tracehound.controller.dashboard import app_path
+    from tracehound.controller.cli.dashboard import app_path
 
     monkeypatch.setenv("TRACEHOUND_STORE", url)
     at = AppTest.from_file(app_path(), default_timeout=120)

@@ -1,7 +1,7 @@
 {{/*
 Names, labels and the pieces several templates share. The sidecar container is defined here once:
 the ConfigMap renders it, and the chart tests hold it equal to the operator's own default
-(tracehound.controller.kubeobjects.default_sidecar) for the default values.
+(tracehound.controller.orchestrators.kubeobjects.default_sidecar) for the default values.
 */}}
 
 {{- define "tracehound.name" -}}

@@ -1,0 +1,2 @@
+"""Alerts: incidents announced to Alertmanager, Slack, PagerDuty and signed webhooks, delivered
+at least once through a durable outbox."""

@@ -1,0 +1,844 @@
+"""The supervision loop: launch an attempt, watch it through the store, act on verdicts.
+
+Every `poll_s` the supervisor records new rank exits in the store, reads a snapshot of the
+attempt back from the store and asks the analysis for a verdict. A verdict becomes an incident;
+the policy's plan (stop, isolate, restart or give up) is carried out through the orchestrator
+and each action is recorded with its outcome. Training scripts resume from their latest complete
+checkpoint on their own (see `tracehound.agent.checkpoint`).
+
+Exits, incidents and actions go through the supervisor's journal (`controller.journal`): each is
+made durable on local disk first and written to the store exactly once, when the store answers.
+A store outage of any length loses none of them and never holds up acting on the job; what is
+still pending when a run ends is written by the next supervisor on the same journal.
+
+The job's state (`controller.jobstate`: running, suspect, stalled, diagnosing, isolating,
+restarting, finished, failed) goes the same way, each written before the supervisor does what it
+announces. A supervisor started on a job whose latest state is not finished or failed picks the
+job up there: it adopts a running attempt, finishes an incident's plan without repeating a step
+already taken, or launches the attempt a restart was about to launch.
+
+Time and sleep are injected, so the loop can be driven step by step in tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.observation import load_observation
+from tracehound.analysis.snapshot import JobSnapshot, load_snapshot, snapshot_to_json
+from tracehound.analysis.verdict import Fact, Verdict
+from tracehound.controller.alerts.delivery import Alert, Status, alert_for
+from tracehound.controller.orchestrators.port import (
+    AttemptPlan,
+    NodePool,
+    NotEnoughNodes,
+    Orchestrator,
+)
+from tracehound.controller.policy.recovery import (
+    SOFT_KINDS,
+    PlannedAction,
+    PolicySettings,
+    observe_only,
+    plan_recovery,
+    smallest_group_nodes,
+)
+from tracehound.controller.supervision.jobstate import (
+    ACTING,
+    NEXT,
+    WATCHING,
+    History,
+    controller_id,
+    done_steps,
+    episode_of,
+    last_incident_number,
+    plan_from_json,
+    plan_to_json,
+    read_history,
+)
+from tracehound.controller.supervision.journal import JOURNAL_FILE, STORE_RETRY, Journal, Outbox
+from tracehound.controller.supervision.restarts import (
+    PendingRestart,
+    RestartTiming,
+    fault_time,
+    measure,
+)
+from tracehound.tracing.errors import TemporaryStoreError
+from tracehound.tracing.events import (
+    Action,
+    ActionKind,
+    Incident,
+    IncidentKind,
+    JobPhase,
+    JobState,
+    RankExit,
+    now_us,
+)
+from tracehound.tracing.ids import JobId, NodeId
+from tracehound.tracing.jobs import TERMINAL
+from tracehound.tracing.logs import JobLogger
+from tracehound.tracing.retry import Backoff
+from tracehound.tracing.store import TraceStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSpec:
+    """What to run and on how much."""
+
+    job: JobId
+    command: tuple[str, ...]
+    nnodes: int
+    nproc_per_node: int
+    spare_nodes: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    pool: tuple[str, ...] = ()
+    """The nodes the job may use, in the order spares are taken (default: node-0 .. node-N for
+    nnodes + spare_nodes local "nodes")."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorSettings:
+    poll_s: float = 0.5
+    """How often the supervisor reads the store and runs the analysis."""
+    detection: DetectionSettings = field(default_factory=DetectionSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    timeout_s: float | None = None
+    """Give up on the whole run after this long (None: never)."""
+    window_s: float = 10.0
+    """Length of the detection window of collective summaries (stragglers, links, mismatches)."""
+    summaries_every_s: float = 2.0
+    """How often the window summaries are computed; crashes and hangs are checked every poll."""
+    store_retry: Backoff = STORE_RETRY
+    """Waits between tries of journaled records while the store is away (tried at the polls)."""
+    journal_drain_s: float = 10.0
+    """How long the end of a run waits for the store to take what is still journaled; the rest
+    is written by the next supervisor on the same journal."""
+    warmup_s: float = 3.0
+    """Soft faults (a straggler, a slow link, a node outlier) are judged only on what an attempt
+    did from this long after its ranks' first training steps (or after its launch, for a script
+    whose steps are not seen): the first steps after a launch or a restart (lazy initialization,
+    a checkpoint's load, compilation, cold caches) run unevenly on healthy ranks. They are first
+    judged once a whole `window_s` has passed since then: a shorter window holds too little of
+    a rank's work to tell a straggler from noise."""
+    stall_stack_wait_s: float = 10.0
+    """How long a stall (observed only) waits to be recorded for a stack of its lead rank
+    captured since the peers began to wait, when the first verdicts have none: where the rank
+    is is most of what a stall incident tells, and the agent's capture of it may come a poll or
+    two after the stall is seen. A stall with no such stack by then is recorded without it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResult:
+    job: JobId
+    completed: bool
+    attempts: int
+    """How many attempts were launched."""
+    incidents: tuple[Incident, ...]
+    reason: str
+    """Why the run ended, in words."""
+    restarts: tuple[RestartTiming, ...] = ()
+    """The restarts measured through to the new attempt's first step, with their phases."""
+
+
+@dataclass(frozen=True, slots=True)
+class PollView:
+    """What an observer sees at each poll (the demo injects faults from here)."""
+
+    attempt: int
+    snapshot: JobSnapshot
+    orchestrator: Orchestrator
+
+
+class Detached(Exception):
+    """Raised by a supervisor's `sleep` to leave the job as it is: the ranks keep running, no
+    state is written, and a later supervisor on the same store picks the job up (the
+    Kubernetes operator shutting down or moving)."""
+
+
+class Supervisor:
+    def __init__(
+        self,
+        *,
+        spec: JobSpec,
+        store: TraceStore,
+        orchestrator: Orchestrator,
+        settings: SupervisorSettings | None = None,
+        clock: Callable[[], int] = now_us,
+        sleep: Callable[[float], None] = time.sleep,
+        observer: Callable[[PollView], None] | None = None,
+        evidence_dir: Path | None = None,
+        journal_path: Path | None = None,
+        notify: Callable[[Alert], object] | None = None,
+        on_state: Callable[[JobState], object] | None = None,
+    ) -> None:
+        """`journal_path` is where records wait for the store (default: `journal.jsonl` in
+        `evidence_dir`; with neither they wait in memory only and are lost with the process).
+        `notify` is told each incident as it fires, and again once the job is healthy (the
+        restarted attempt made its first step, or the attempt finished): the alert outbox's
+        `Dispatcher.enqueue`, usually (what became of each alert is recorded on its incident
+        by the dispatcher's `AlertRecorder`, as an `alert` action no decision here reads).
+        `on_state` is told each state once it is journaled (the operator mirrors it into the
+        TrainingJob's status); it must not raise."""
+        self.spec = spec
+        self.store = store
+        self.orch = orchestrator
+        self.settings = settings or SupervisorSettings()
+        self.clock = clock
+        self.sleep = sleep
+        self.observer = observer
+        self.evidence_dir = evidence_dir
+        self.notify = notify
+        self.on_state = on_state
+        self._open: list[Incident] = []
+        """Incidents announced and not yet resolved."""
+        self._last_snapshot: JobSnapshot | None = None
+        self._soft_seen: dict[tuple[str, tuple[str, ...]], int] = {}
+        self._first_seen: dict[tuple[object, ...], int] = {}
+        """When each verdict episode (kind, culprits, where) was first seen."""
+        self._recorded: set[tuple[object, ...]] = set()
+        """Watched episodes already recorded as incidents (recorded once, however long)."""
+        self._held: tuple[Verdict, tuple[PlannedAction, ...]] | None = None
+        """A stall held back for its rank's stack (`_awaits_stack`), with its plan."""
+        self._soft_quiet_until = 0
+        self.pool = NodePool(
+            [NodeId(n) for n in spec.pool]
+            or [NodeId(f"node-{i}") for i in range(spec.nnodes + spec.spare_nodes)]
+        )
+        self.log = JobLogger(log, job=spec.job)
+        self._incidents: list[Incident] = []
+        self._restarts: list[RestartTiming] = []
+        self._restart_times: list[int] = []
+        """When each restart of this run was decided (us): the policy's hourly limit."""
+        self._isolation_times: list[int] = []
+        """When each node was isolated (us): the policy's isolation limits."""
+        self._pending_restart: PendingRestart | None = None
+        self._ids = itertools.count(1)
+        self._state: JobState | None = None
+        """The latest state written (or found, when picking a job up)."""
+        self._seq = 0
+        self._quiet_since: int | None = None
+        """Since when no verdict was seen while suspect or stalled."""
+        if journal_path is None and evidence_dir is not None:
+            journal_path = evidence_dir / JOURNAL_FILE
+        self.journal = Journal(journal_path)
+        self.outbox = Outbox(self.journal, store, clock=lambda: self.clock() / 1e6,
+                             policy=self.settings.store_retry)
+
+    def run(self) -> RunResult:
+        started = self.clock()
+        self.outbox.flush(force=True)  # what an earlier supervisor left in the journal
+        try:
+            picked = self._pick_up()
+            if isinstance(picked, RunResult):
+                return picked
+            attempt, adopted = picked
+            while True:
+                if adopted:
+                    nodes = self.pool.current
+                else:
+                    try:
+                        nodes = self.pool.assign(self.spec.nnodes)
+                    except NotEnoughNodes as exc:
+                        return self._result(attempt, completed=False, reason=str(exc))
+                plan = self._attempt(attempt, nodes)
+                if not adopted:
+                    self._launch(plan)
+                adopted = False
+                outcome = self._supervise(plan, started)
+                if outcome is None:
+                    self.orch.finish()
+                    self.log.info("attempt %d finished: every rank exited cleanly", attempt)
+                    return self._result(attempt + 1, completed=True, reason="training finished")
+                if isinstance(outcome, str):
+                    self.orch.stop()
+                    return self._result(attempt + 1, completed=False, reason=outcome)
+                verdict, steps = outcome
+                gave_up = self._recover(verdict, steps)
+                if gave_up is not None:
+                    return self._result(attempt + 1, completed=False,
+                                        reason=f"gave up after {verdict.kind.value} "
+                                               f"({verdict.summary}): {gave_up}")
+                attempt += 1
+                self._restart(attempt)
+        except Detached as exc:  # the job goes on; a later supervisor picks it up
+            self.log.info("detached from the job (%s): its ranks keep running", exc)
+            last = self._state.attempt if self._state is not None else 0
+            return RunResult(job=self.spec.job, completed=False, attempts=last + 1,
+                             incidents=tuple(self._incidents), reason=f"detached: {exc}",
+                             restarts=tuple(self._restarts))
+        except KeyboardInterrupt as exc:  # the operator stopped the run: a run of its own ended
+            last = self._state.attempt if self._state is not None else 0
+            self._set_state(JobPhase.FAILED, last, detail=f"interrupted ({exc or 'Ctrl-C'}); "
+                                                          "every rank stopped")
+            raise
+        finally:
+            try:
+                self.orch.close()
+            finally:
+                self._drain_journal()
+
+    def _drain_journal(self) -> None:
+        """Give the store a last chance at what is journaled; say where the rest waits."""
+        if self.outbox.drain(self.settings.journal_drain_s, self.sleep):
+            return
+        self.log.error("%d records could not be stored in %s yet; they wait in the journal %s "
+                       "for the next supervisor of this job", len(self.outbox.pending()),
+                       self.store.url, self.journal.path or "(memory only: lost)")
+
+    def _result(self, attempts: int, *, completed: bool, reason: str) -> RunResult:
+        last = max(attempts - 1, 0)
+        if completed:
+            self._set_state(JobPhase.FINISHED, last, detail=reason)
+        else:
+            self._set_state(JobPhase.FAILED, last, detail=reason)
+        return RunResult(job=self.spec.job, completed=completed, attempts=attempts,
+                         incidents=tuple(self._incidents), reason=reason,
+                         restarts=tuple(self._restarts))
+
+    def _attempt(self, attempt: int, nodes: tuple[NodeId, ...]) -> AttemptPlan:
+        return AttemptPlan(
+            job=self.spec.job, attempt=attempt, nodes=nodes,
+            nproc_per_node=self.spec.nproc_per_node, command=self.spec.command,
+            env=self.spec.env,
+        )
+
+    def _restart(self, attempt: int, *, counted: bool = False) -> None:
+        """Announce the launch of `attempt` (a restart), then back off as the policy says
+        (`counted`: its time is among the restarts read back from the store already)."""
+        if not counted:
+            self._restart_times.append(self.clock())
+        self._set_state(JobPhase.RESTARTING, attempt, incident_id=self._acting_on())
+        delay = self.settings.policy.restart_delay_s(attempt - 1)
+        if delay > 0:
+            self.log.info("restart %d: backing off %.1f s first (restart_backoff_s)",
+                          attempt, delay)
+            self.sleep(delay)
+
+    def _acting_on(self) -> str:
+        pending = self._pending_restart
+        return pending.incident_id if pending is not None else ""
+
+    def _launch(self, plan: AttemptPlan) -> None:
+        if plan.attempt == 0:  # written first: a controller started again must not launch twice
+            self._set_state(JobPhase.RUNNING, 0, nodes=plan.nodes)
+        pending = self._pending_restart
+        if pending is not None:
+            pending.launch_begin_us = self.clock()
+        self.orch.launch(plan)
+        if pending is not None:
+            pending.launch_end_us = self.clock()
+            launched = getattr(self.orch, "last_launch", {})
+            pending.warm = int(launched.get("warm", 0))
+            pending.cold = int(launched.get("cold", plan.world_size))
+        self._set_state(JobPhase.RUNNING, plan.attempt, nodes=plan.nodes)
+
+    # -- the job's state -------------------------------------------------------------------------
+    def _state_record(self, phase: JobPhase, attempt: int, *, incident_id: str = "",
+                      plan: tuple[PlannedAction, ...] = (), detail: str = "",
+                      nodes: tuple[NodeId, ...] | None = None) -> JobState | None:
+        """The next state, or None when it is the one the job is in already."""
+        prev = self._state
+        if (prev is not None and prev.state is phase and prev.attempt == attempt
+                and prev.incident_id == incident_id):
+            return None
+        if prev is not None and phase not in NEXT[prev.state]:
+            self.log.error("state %s -> %s is not a transition of the job's state machine "
+                           "(written anyway)", prev.state.value, phase.value)
+        self._seq += 1
+        state = JobState(
+            job=self.spec.job, time_us=self.clock(), seq=self._seq, state=phase, attempt=attempt,
+            incident_id=incident_id, nodes=tuple(self.pool.current if nodes is None else nodes),
+            isolated=tuple(sorted(self.pool.isolated)),
+            plan=plan_to_json(plan) if plan else "", detail=detail, controller=controller_id(),
+        )
+        self._state = state
+        return state
+
+    def _set_state(self, phase: JobPhase, attempt: int, **kwargs: object) -> None:
+        state = self._state_record(phase, attempt, **kwargs)  # type: ignore[arg-type]
+        if state is not None:
+            self.outbox.put(state)
+            self._log_state(state)
+
+    def _log_state(self, state: JobState) -> None:
+        """Said once the state is journaled (and stored, if the store answered)."""
+        self.log.info("state %s (attempt %d%s)", state.state.value, state.attempt,
+                      f", incident {state.incident_id}" if state.incident_id else "")
+        if self.on_state is not None:
+            try:
+                self.on_state(state)
+            except Exception:  # an observer's failure must not stop the supervision
+                self.log.exception("could not report state %s", state.state.value)
+
+    def _pick_up(self) -> tuple[int, bool] | RunResult:
+        """Where this run starts: (attempt, whether it is already running and was adopted).
+        A fresh start unless an earlier controller of this job left it mid-run."""
+        history = read_history(self.store, self.spec.job, [e.record for e in self.outbox.pending()])
+        latest = history.latest
+        self._ids = itertools.count(last_incident_number(history.incidents) + 1)
+        if latest is None or latest.state in TERMINAL:
+            self._seq = latest.seq if latest is not None else 0
+            self._state = latest
+            return 0, False
+        self._seq, self._state = latest.seq, latest
+        attempt = latest.attempt
+        self.log.warning("picking the job up where controller %s left it: %s, attempt %d%s",
+                         latest.controller or "?", latest.state.value, attempt,
+                         f", incident {latest.incident_id}" if latest.incident_id else "")
+        self._restore(history, latest)
+        if latest.state in WATCHING:
+            if self.orch.adopt(self._attempt(attempt, self.pool.current)):
+                self._remember_watched(history, attempt)
+                return attempt, True
+            self.orch.kill_leftovers(attempt)
+            attempt += 1
+            self._set_state(JobPhase.RESTARTING, attempt, detail=(
+                f"the ranks of attempt {attempt - 1} ended while no controller watched them; "
+                "relaunched from the latest checkpoint"))
+            return attempt, False
+        if latest.state in ACTING:
+            counted = any(ActionKind(a.kind) is ActionKind.RESTART
+                          for a in history.actions_of(latest.incident_id))
+            gave_up = self._finish_plan(history, latest)
+            if gave_up is not None:
+                return self._result(attempt + 1, completed=False, reason=gave_up)
+            attempt += 1
+            self._restart(attempt, counted=counted)
+            return attempt, False
+        # restarting: launched or not? (on the nodes the pool gives it: the same as before)
+        try:
+            nodes = self.pool.assign(self.spec.nnodes)
+        except NotEnoughNodes as exc:
+            return self._result(attempt, completed=False, reason=str(exc))
+        if self.orch.adopt(self._attempt(attempt, nodes)):
+            self._set_state(JobPhase.RUNNING, attempt)
+            return attempt, True
+        self.orch.kill_leftovers(attempt)
+        if attempt > 0:
+            self.orch.kill_leftovers(attempt - 1)
+        return attempt, False
+
+    def _restore(self, history: History, latest: JobState) -> None:
+        """The pool, the limits' counts and the incident being acted on, from the history."""
+        since = history.run_since_us
+        # isolated: what the state says, and every isolation of this run (one may have been
+        # taken after the state was written)
+        reasons = {a.target: a.detail for i in history.incidents for a in i.actions
+                   if ActionKind(a.kind) is ActionKind.ISOLATE_NODE and a.ok
+                   and a.time_us >= since}
+        self.pool.restore(latest.nodes or self.pool.current,
+                          {n: reasons.get(n, "isolated by an earlier controller")
+                           for n in {*latest.isolated, *reasons}})
+        self._restart_times = history.times(ActionKind.RESTART, since)
+        self._isolation_times = history.times(ActionKind.ISOLATE_NODE, since)
+        incident = history.incident(latest.incident_id) if latest.incident_id else None
+        if incident is not None and latest.state not in WATCHING:
+            self._incidents.append(incident)
+            if self.notify is not None:
+                self._open.append(incident)  # announced by the earlier controller
+            self._pending_restart = PendingRestart(
+                incident_id=incident.incident_id,
+                attempt=latest.attempt + (latest.state in ACTING),
+                fault_us=incident.detected_at_us, detected_us=incident.detected_at_us)
+
+    def _remember_watched(self, history: History, attempt: int) -> None:
+        """What was being watched in the adopted attempt: recorded once, not again."""
+        for incident in history.incidents:
+            if incident.attempt != attempt:
+                continue
+            key = episode_of(incident)
+            self._recorded.add(key)
+            self._first_seen.setdefault(key, incident.detected_at_us)
+
+    def _finish_plan(self, history: History, latest: JobState) -> str | None:
+        """Carry out what the earlier controller's plan had not done yet; the reason if the
+        plan gives up."""
+        plan = plan_from_json(latest.plan)
+        # the plan's own steps: an alert's record (taken whenever a receiver answered) says
+        # nothing about how far the plan got
+        taken = [a for a in history.actions_of(latest.incident_id)
+                 if ActionKind(a.kind) is not ActionKind.ALERT]
+        self.orch.kill_leftovers(latest.attempt)  # stopped or not: that attempt is over
+        self._carry_out(latest.incident_id, latest.attempt, plan,
+                        after_us=max((a.time_us for a in taken), default=0),
+                        done=done_steps(plan, taken), picked_up=True)
+        return _gave_up(plan)
+
+    # -- one attempt ---------------------------------------------------------------------------
+    def _supervise(
+        self, plan: AttemptPlan, started_us: int
+    ) -> tuple[Verdict, tuple[PlannedAction, ...]] | str | None:
+        """None when the attempt finished cleanly, a verdict and the plan that acts on it when it
+        failed, or a reason to stop. Verdicts whose plan only observes are recorded and the
+        attempt goes on."""
+        clean: set[int] = set()
+        rank_nodes = plan.rank_nodes()
+        last_summaries_us = 0
+        timeout_us = (
+            int(self.settings.timeout_s * 1e6) if self.settings.timeout_s is not None else None
+        )
+        wait_exit = getattr(self.orch, "wait_exit", None)
+        warmed = False
+        trains_since_us = started_us  # its launch, until every rank's first step is seen
+        settled_at_us: int | None = None
+        """When the first failed exit has settled (the crash detector waits that long)."""
+        while True:
+            exited = False
+            if wait_exit is not None:  # wake at once when a rank exits
+                wait_s = self.settings.poll_s
+                if settled_at_us is not None:  # and when its exits have settled
+                    wait_s = min(wait_s, max(0.0, (settled_at_us - self.clock()) / 1e6) + 0.005)
+                exited = bool(wait_exit(wait_s))
+            else:
+                self.sleep(self.settings.poll_s)
+            for exit_ in self.orch.poll_exits():
+                self._record_exit(exit_)
+                if exit_.exit_code == 0:
+                    clean.add(exit_.rank)
+                elif settled_at_us is None:
+                    settled_at_us = exit_.time_us + int(
+                        self.settings.detection.crash_settle_s * 1e6)
+            if len(clean) == plan.world_size:
+                self._record_held(None)
+                self._measure_restart(plan, None)
+                self._resolve_open()
+                return None
+            now = self.clock()
+            if timeout_us is not None and now - started_us > timeout_us:
+                return f"timed out after {self.settings.timeout_s:.0f} s"
+            # a poll woken by an exit reads no window summaries: a crash needs none of them
+            judged_from_us = trains_since_us + int(self.settings.warmup_s * 1e6)
+            refresh = not exited and summaries_due(self.settings, now_us=now,
+                                                   judged_from_us=judged_from_us,
+                                                   last_us=last_summaries_us)
+            # the exits go to the store before the snapshot is read: read first, a crash would
+            # wait a poll to be seen
+            exits_stored = self._exits_stored()
+            try:
+                obs = load_observation(
+                    self.store, job=plan.job, attempt=plan.attempt, now_us=now,
+                    window_s=self.settings.window_s, expected_ranks=rank_nodes,
+                    summaries=refresh, since_us=judged_from_us,
+                    uneven_ops=self.settings.detection.mismatch_size_exempt_ops,
+                )
+                if refresh:
+                    last_summaries_us = now
+            except TemporaryStoreError as exc:
+                self.log.warning("store unavailable, analysis paused: %s", exc)
+                continue
+            self._measure_restart(plan, obs.snapshot)
+            trained = None if warmed else _trains_since_us(obs.snapshot)
+            if trained is not None:
+                warmed = True
+                trains_since_us = trained
+                warm_up = getattr(self.orch, "warm_up", None)
+                if warm_up is not None:  # spares for the next attempt, now that this one trains
+                    warm_up()
+            if not exits_stored:
+                continue
+            if self.observer is not None:
+                self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
+            verdict = diagnose_observation(obs, self.settings.detection)
+            self._record_held(verdict)
+            self._calm(plan.attempt, verdict, now)
+            if verdict is None or not self._soft_gate(verdict, now):
+                continue
+            self._last_snapshot = obs.snapshot
+            steps = self._plan(verdict, now)
+            if not observe_only(steps):
+                return verdict, steps
+            key = _episode(verdict)
+            if key not in self._recorded and self._awaits_stack(verdict, now):
+                if self._held is None:
+                    self.log.info("stall of rank %d seen; recorded once a stack of it taken "
+                                  "since its peers began to wait is in, or within %.0f s",
+                                  verdict.culprit_ranks[0], self.settings.stall_stack_wait_s)
+                self._held = (verdict, steps)
+                continue
+            self._held = None
+            if verdict.kind in SOFT_KINDS or key not in self._recorded:
+                self._recorded.add(key)
+                self._recover(verdict, steps)  # observed only; the attempt goes on
+
+    def _record_held(self, verdict: Verdict | None) -> None:
+        """Record the stall held back for a stack once it is over (the next verdict is another
+        episode, or none, or the attempt ended): with the evidence it had, never lost."""
+        held = self._held
+        if held is None or (verdict is not None and _episode(verdict) == _episode(held[0])):
+            return
+        self._held = None
+        key = _episode(held[0])
+        if key in self._recorded:
+            return
+        self._recorded.add(key)
+        self.log.info("the stall of rank %d ended before a stack of it taken since its peers "
+                      "began to wait came in: recorded without one", held[0].culprit_ranks[0])
+        self._recover(*held)
+
+    def _awaits_stack(self, verdict: Verdict, now_us: int) -> bool:
+        """Whether to hold a stall verdict back for its lead rank's stack (see
+        `SupervisorSettings.stall_stack_wait_s`)."""
+        if verdict.kind is not IncidentKind.STALL or not verdict.culprit_ranks:
+            return False
+        lead = verdict.culprit_ranks[0]
+        if any(e.fact is Fact.STACK and e.rank == lead for e in verdict.evidence):
+            return False
+        first = self._first_seen.get(_episode(verdict), now_us)
+        return now_us - first < int(self.settings.stall_stack_wait_s * 1e6)
+
+    def _calm(self, attempt: int, verdict: Verdict | None, now_us: int) -> None:
+        """Back to `running` once no verdict was seen for a detection window while suspect or
+        stalled."""
+        state = self._state
+        if state is None or state.state not in (JobPhase.SUSPECT, JobPhase.STALLED):
+            return
+        if verdict is not None:
+            self._quiet_since = None
+            return
+        if self._quiet_since is None:
+            self._quiet_since = now_us
+        elif now_us - self._quiet_since >= int(self.settings.window_s * 1e6):
+            self._quiet_since = None
+            self._set_state(JobPhase.RUNNING, attempt, detail="no fault seen for a window")
+
+    def _measure_restart(self, plan: AttemptPlan, snapshot: JobSnapshot | None) -> None:
+        """Once every rank of a restarted attempt has made its first step: record where the
+        restart's time went (a `resumed` action on the incident, and in the run's result)."""
+        pending = self._pending_restart
+        if pending is None or pending.attempt != plan.attempt:
+            return
+        if snapshot is None:  # the attempt finished before a poll saw its first steps
+            try:
+                snapshot = load_snapshot(self.store, job=plan.job, attempt=plan.attempt,
+                                         now_us=self.clock(), expected_ranks=plan.rank_nodes())
+            except TemporaryStoreError:
+                return
+        timing = measure(pending, snapshot)
+        if timing is None:
+            return
+        self._pending_restart = None
+        self._resolve_open()
+        self._restarts.append(timing)
+        self.log.info("restart of incident %s: %s", pending.incident_id, timing.describe())
+        self.outbox.put(Action(
+            job=plan.job, incident_id=pending.incident_id, kind=ActionKind.RESUMED,
+            target=f"attempt {plan.attempt}", time_us=max(self.clock(), timing.resumed_us),
+            ok=True, detail=timing.describe(),
+        ))
+
+    def _announce(self, incident: Incident, status: Status) -> None:
+        """Tell `notify` about an incident; a failure there is logged, never raised."""
+        if self.notify is None:
+            return
+        if status == "firing":
+            self._open.append(incident)
+        try:
+            self.notify(alert_for(incident, status=status, at_us=self.clock()))
+        except Exception as exc:
+            self.log.error("could not queue the %s alert of incident %s: %r", status,
+                           incident.incident_id, exc)
+
+    def _resolve_open(self) -> None:
+        """The job is healthy again: every open incident resolves."""
+        open_, self._open = self._open, []
+        for incident in open_:
+            self._announce(incident, "resolved")
+
+    def _exits_stored(self) -> bool:
+        """Whether the store has every exit seen so far (the store answered: try it now). The
+        analysis waits until it has: without them a crash would read as a silence."""
+        if self.outbox.flush(force=True):
+            return True
+        waiting = [e for e in self.outbox.pending() if isinstance(e.record, RankExit)]
+        if waiting:
+            self.log.warning("analysis paused: %d rank exits not yet in the store",
+                             len(waiting))
+        return not waiting
+
+    def _plan(self, verdict: Verdict, now_us: int) -> tuple[PlannedAction, ...]:
+        first = self._first_seen.setdefault(_episode(verdict), now_us)
+        hour_ago = now_us - 3_600_000_000
+        snapshot = self._last_snapshot
+        group_nodes: tuple[str, ...] = ()
+        if snapshot is not None and verdict.culprit_ranks:
+            members = {(g.group, g.ranks) for g in snapshot.groups}
+            try:
+                group_nodes = smallest_group_nodes(
+                    verdict.culprit_ranks, [ranks for _, ranks in members],
+                    dict(snapshot.expected_ranks),
+                )
+            except ValueError as exc:  # a group member the attempt does not place
+                self.log.warning("no parallel group to over-evict: %s", exc)
+        return plan_recovery(
+            verdict, restarts_done=verdict.attempt,
+            healthy_spares=len(self.pool.healthy_spares()), settings=self.settings.policy,
+            times_seen=self._times_seen(verdict) if verdict.kind in SOFT_KINDS else 1,
+            watched_s=(now_us - first) / 1e6,
+            restarts_last_hour=sum(t > hour_ago for t in self._restart_times),
+            isolations_done=len(self._isolation_times),
+            isolations_last_hour=sum(t > hour_ago for t in self._isolation_times),
+            group_nodes=group_nodes,
+        )
+
+    def _times_seen(self, verdict: Verdict) -> int:
+        return self._soft_seen.get((verdict.kind.value, verdict.culprit_nodes), 1)
+
+    def _soft_gate(self, verdict: Verdict, now_us: int) -> bool:
+        """Whether to act on a verdict now. Hard verdicts always pass. A soft one is counted at
+        most once per detection window, so "seen again" means "seen in the next window"; a
+        window without it starts the count afresh."""
+        window_us = int(self.settings.window_s * 1e6)
+        if self._soft_seen and now_us > self._soft_quiet_until + window_us:
+            self._soft_seen = {}
+        if verdict.kind not in SOFT_KINDS:
+            return True
+        if now_us < self._soft_quiet_until:
+            return False
+        key = (verdict.kind.value, verdict.culprit_nodes)
+        self._soft_seen = {key: self._soft_seen.get(key, 0) + 1}
+        self._soft_quiet_until = now_us + window_us
+        return True
+
+    def _record_exit(self, exit_: RankExit) -> None:
+        level = logging.INFO if exit_.exit_code == 0 else logging.WARNING
+        JobLogger(log, job=exit_.job, node=exit_.node, rank=exit_.rank).log(
+            level, "attempt %d: exited with code %d", exit_.attempt, exit_.exit_code
+        )
+        self.outbox.put(exit_)
+
+    # -- acting on a verdict -------------------------------------------------------------------
+    def _recover(self, verdict: Verdict, plan: tuple[PlannedAction, ...]) -> str | None:
+        """Record the incident and carry out the policy's plan; the reason if it gave up."""
+        incident_id = f"{verdict.job}/{verdict.attempt}/{next(self._ids)}"
+        detected = self.clock()
+        incident = Incident(
+            job=verdict.job, incident_id=incident_id, attempt=verdict.attempt,
+            detected_at_us=detected, kind=verdict.kind.value,
+            culprit_ranks=verdict.culprit_ranks, culprit_nodes=verdict.culprit_nodes,
+            confidence=verdict.confidence, summary=verdict.summary,
+            verdict_json=verdict.to_json(),
+        )
+        self.log.warning("incident %s: %s %s (confidence %.2f)", incident_id, verdict.kind.value,
+                         verdict.summary, verdict.confidence)
+        if observe_only(plan):
+            phase = JobPhase.STALLED if verdict.kind is IncidentKind.STALL else JobPhase.SUSPECT
+            state = self._state_record(phase, verdict.attempt, incident_id=incident_id)
+        else:  # the plan goes with the incident: a controller started again finishes it
+            state = self._state_record(JobPhase.DIAGNOSING, verdict.attempt,
+                                       incident_id=incident_id, plan=plan)
+        self.outbox.put(incident, *([state] if state is not None else []))
+        if state is not None:
+            self._log_state(state)
+        self._announce(incident, "firing")
+        self._keep_evidence(incident_id)
+        if any(step.kind is ActionKind.RESTART for step in plan):
+            self._pending_restart = PendingRestart(
+                incident_id=incident_id, attempt=verdict.attempt + 1,
+                fault_us=fault_time(verdict, self._last_snapshot), detected_us=detected,
+            )
+        actions = self._carry_out(incident_id, verdict.attempt, plan, after_us=detected)
+        self._incidents.append(msgspec.structs.replace(incident, actions=tuple(actions)))
+        return _gave_up(plan)
+
+    def _carry_out(self, incident_id: str, attempt: int, plan: tuple[PlannedAction, ...], *,
+                   after_us: int, done: Sequence[bool] = (),
+                   picked_up: bool = False) -> list[Action]:
+        """Take the plan's steps (but those `done` already), each recorded as an action of the
+        incident at a time after `after_us` and the previous one's, so that they read back in
+        order. `picked_up`: an earlier controller's plan, whose attempt is already killed."""
+        actions: list[Action] = []
+        at = after_us
+        for step, already in zip(plan, done or [False] * len(plan), strict=True):
+            if already:
+                self.log.info("action %s %s was taken by the earlier controller", step.kind.value,
+                              step.target)
+                continue
+            if step.kind is ActionKind.ISOLATE_NODE:
+                self._set_state(JobPhase.ISOLATING, attempt, incident_id=incident_id, plan=plan)
+            if picked_up and step.kind is ActionKind.STOP_JOB:
+                ok, detail = True, (f"stopped (what was left of it) by a controller started "
+                                    f"again; {step.reason}")
+            else:
+                ok, detail = self._act(step)
+            at = max(self.clock(), at + 1)
+            action = Action(job=self.spec.job, incident_id=incident_id, kind=step.kind,
+                            target=step.target, time_us=at, ok=ok,
+                            detail=detail or step.reason, rule=step.rule)
+            actions.append(action)
+            self.outbox.put(action)
+        return actions
+
+    def _keep_evidence(self, incident_id: str) -> None:
+        """Save the snapshot behind a verdict: it replays through the analysis as it was."""
+        if self.evidence_dir is None or self._last_snapshot is None:
+            return
+        path = self.evidence_dir / (incident_id.replace("/", "_") + ".snapshot.json")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(snapshot_to_json(self._last_snapshot))
+        except OSError as exc:
+            self.log.warning("could not keep the evidence of %s in %s: %s", incident_id, path, exc)
+
+    def _act(self, step: PlannedAction) -> tuple[bool, str]:
+        # Not acting is news too: whoever reads the log must see why the job was left running.
+        level = logging.WARNING if step.kind is ActionKind.OBSERVE else logging.INFO
+        self.log.log(level, "action %s %s: %s", step.kind.value, step.target, step.reason)
+        if step.kind is ActionKind.STOP_JOB:
+            pending = self._pending_restart
+            if pending is not None:
+                pending.stop_begin_us = self.clock()
+            self.orch.stop()
+            if pending is not None:
+                pending.stop_end_us = self.clock()
+            return True, f"stopped; {step.reason}"
+        if step.kind is ActionKind.ISOLATE_NODE:
+            node = NodeId(step.target)
+            self._isolation_times.append(self.clock())
+            self.pool.isolate(node, step.reason)
+            self.orch.isolate(node, reason=step.reason)
+            return True, f"isolated {node}: {step.reason}"
+        return True, step.reason  # restart, observe and give up are carried out by the loop
+
+
+def _gave_up(plan: tuple[PlannedAction, ...]) -> str | None:
+    """Why the plan gives up on the job, if it does."""
+    return next((s.reason for s in plan if s.kind is ActionKind.GIVE_UP), None)
+
+
+def summaries_due(settings: SupervisorSettings, *, now_us: int, judged_from_us: int,
+                  last_us: int) -> bool:
+    """Whether a poll at `now_us` reads the window summaries (soft faults): every
+    `summaries_every_s`, and only once a whole `window_s` has passed since the attempt's warm-up
+    ended at `judged_from_us` (soft faults are judged on full windows only: a window cut short
+    by the warm-up can hold a fraction of a second of a rank's work, and bench/detection.py's
+    restarted attempts showed a healthy rank "1.16x its peers" over 5 collectives in 152 ms)."""
+    every_us = int(settings.summaries_every_s * 1e6)
+    full_us = max(every_us, int(settings.window_s * 1e6))
+    return now_us - judged_from_us >= full_us and now_us - last_us >= every_us
+
+
+def _trains_since_us(snapshot: JobSnapshot) -> int | None:
+    """When the last expected rank of the attempt finished its first step (its own clock);
+    None until every one has."""
+    first = {h.rank: h.first_step_us for h in snapshot.heartbeats
+             if h.attempt == snapshot.attempt and h.first_step_us}
+    if not snapshot.expected_ranks or not set(snapshot.expected_ranks) <= set(first):
+        return None
+    return max(first.values())
+
+
+def _episode(verdict: Verdict) -> tuple[object, ...]:
+    """What makes two verdicts of successive polls the same incident: kind, culprits and the
+    collective the peers wait in (a stall at the next checkpoint is a new one)."""
+    seq = max((e.seq for e in verdict.evidence if e.fact is Fact.WAITING), default=0)
+    return (verdict.kind.value, verdict.culprit_ranks, verdict.group, seq)
