@@ -28,8 +28,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# The CPU build of torch first, pinned to the version pyproject.toml pins: an unpinned torch (or
-# the project's own dependency resolved from PyPI first) would pull a CUDA build of several GB.
+# The CPU build of torch first, pinned to the version the Makefile installs for the demo and the
+# tests (the package itself does not require torch: training images bring their own); an unpinned
+# torch would pull a CUDA build of several GB.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
 WORKDIR /src
@@ -39,7 +40,7 @@ COPY agent agent
 COPY analysis analysis
 COPY controller controller
 COPY ui ui
-RUN pip install . \
+RUN pip install ".[all]" \
     && cd / && rm -rf /src
 
 # A numeric non-root user (the chart's runAsUser and fsGroup); its home is the working directory.

@@ -21,9 +21,19 @@ from tracehound.analysis.confidence import (
     Level,
     level_of,
 )
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation, load_observation
+from tracehound.analysis.settings import (
+    CrashSettings,
+    DetectionSettings,
+    HangSettings,
+    HardwareSettings,
+    LinkSettings,
+    MismatchSettings,
+    OutlierSettings,
+    StackSettings,
+    StragglerSettings,
+)
 from tracehound.analysis.snapshot import (
     JobSnapshot,
     load_snapshot,
@@ -40,12 +50,20 @@ __all__ = [
     "UNSURE",
     "WEAK",
     "Basis",
+    "CrashSettings",
     "DetectionSettings",
     "Evidence",
     "Fact",
+    "HangSettings",
+    "HardwareSettings",
     "JobSnapshot",
     "Level",
+    "LinkSettings",
+    "MismatchSettings",
     "Observation",
+    "OutlierSettings",
+    "StackSettings",
+    "StragglerSettings",
     "Verdict",
     "diagnose_observation",
     "level_of",

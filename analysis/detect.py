@@ -44,6 +44,7 @@ from tracehound.analysis.liveness import (
     stack_wait,
     where_words,
 )
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import (
@@ -53,184 +54,8 @@ from tracehound.tracing.events import (
     RankExit,
     StackSample,
 )
-from tracehound.tracing.settings import DEFAULT_HEARTBEAT_S
 
 _US = 1_000_000
-
-UNEVEN_OPS = (
-    "gather", "scatter", "all_to_all", "all_to_all_single", "alltoall", "alltoall_base",
-    "all_gather_v", "reduce_scatter_v",
-)
-"""Ops whose members legitimately pass different sizes: the default of
-`DetectionSettings.mismatch_size_exempt_ops`."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DetectionSettings:
-    """Thresholds of the detectors. The defaults are tuned so that healthy timing noise (a few ms,
-    occasional spikes) never yields a verdict; see each detector's module for the reasoning."""
-
-    hang_after_s: float = 5.0
-    """A rank waiting this long inside one collective means the job hangs. Training steps take
-    milliseconds to seconds; raise it for jobs with longer legitimate waits."""
-    heartbeat_timeout_s: float = 5 * DEFAULT_HEARTBEAT_S
-    """A rank silent for this long (five heartbeats missed at the default rate,
-    `tracing.settings.DEFAULT_HEARTBEAT_S`) is not reporting."""
-    busy_grace_s: float = 600.0
-    """Peers may wait this long on a rank that is alive and busy outside collectives (writing a
-    checkpoint, evaluating, compiling, loading data) before it counts as a hang; until then it is
-    a stall, recorded and watched. Like torch's own watchdog, 10 minutes by default."""
-    crash_settle_s: float = 0.3
-    """How long after the first failed exit to wait for earlier exits still in flight."""
-    max_evidence: int = 32
-    """At most this many evidence items of one fact per verdict (culprits' facts first), so a
-    verdict over 10,000 ranks stays readable and small."""
-
-    # mismatch (analysis.mismatch)
-    mismatch_size_exempt_ops: tuple[str, ...] = UNEVEN_OPS
-    """Ops whose members legitimately pass different sizes (uneven splits, the root of a gather):
-    a size difference alone is no mismatch for them. The store leaves such collectives out of
-    its disagreements before their limit (`load_observation(uneven_ops=...)`)."""
-
-    # straggler (analysis.straggler)
-    straggler_min_excess: float = 1.15
-    """A straggler's longest gap between its operations and its other gaps (as a share of its
-    active time) are both at least this multiple of its role peers' (its compute: a slow GPU
-    lengthens both, a pause only the longest): 2-5% slower GPUs stay below, 1.3x stragglers
-    above; 1.05-1.3x is a grey zone, reported with low confidence when found, never forced."""
-    straggler_min_excess_us: float = 2_000.0
-    """...and at least this much more of it in the window (us), so that microsecond jitter of
-    a quiet job never counts..."""
-    straggler_min_excess_gaps: float = 3.0
-    """...and its gaps other than the longest add up to this many of its peers' longest gaps
-    more than theirs: a pause, or one step in which the rank arrived last (its compute, hidden
-    at its peers behind their non-blocking operations, then shows), adds one or two; a slow GPU
-    adds some in every step (fewer are asked of windows of few gaps, `analysis.straggler`)..."""
-    straggler_min_blame: float = 0.03
-    """...and its groups waited on it alone (it the only last arrival) for at least this share
-    of its active time: a slow rank nobody waits for costs the job nothing."""
-    straggler_busy_min_collectives: int = 4
-    """A rank needs this many collectives in the window to be judged on its compute (a window
-    of 23-second steps holds about four)..."""
-    straggler_min_active_us: float = 500_000.0
-    """...spread over at least this long (us): a fraction of a second of a rank's work is
-    noise, not a straggler (at the edge of an attempt four ranks on two cores showed healthy
-    ranks 1.16x and 1.29x their peers over 0.15 and 0.26 s)."""
-    straggler_min_collectives: int = 20
-    """Without the busy columns (an older source), a rank needs this many collectives in the
-    window to be judged by its arrivals; the rest of the straggler settings below serve that
-    rule."""
-    straggler_min_last_z: float = 6.0
-    """How far (binomial z-score) a rank's count of last arrivals must exceed what the median
-    rank's rate predicts. Healthy ranks of 10,000 stay below 5."""
-    straggler_min_last_fraction: float = 0.5
-    """...and the fraction of its collectives it arrived last at must be at least this..."""
-    straggler_min_last_ratio: float = 2.0
-    """...and at least this multiple of the median rank's fraction."""
-    straggler_min_lateness_us: float = 500.0
-    """Its mean lateness must exceed the median rank's by this much (us), so that a quiet job's
-    jitter never counts..."""
-    straggler_min_slowdown: float = 0.1
-    """...and by this share of the median rank's time between collectives (its compute): a GPU
-    2-5% slower than its peers is last often too but costs little; one 20% slower is evicted."""
-    straggler_consistent_ratio: float = 6.0
-    """A compute straggler is also last at this multiple of the median rank's share of its
-    collectives (or at half of those the median rank is not last at): in a
-    data-parallel window of 1,500 collectives over 64 ranks, a healthy rank hit by more
-    heavy-tailed slow moments than its peers is last up to about 5x its share."""
-    straggler_min_step_cost: float = 0.05
-    """A compute straggler's extra compute per training step (from the heartbeats' step times)
-    is at least this share of a step. Where collectives overlap compute (gradient buckets)
-    busy time understates it: a 1.3x straggler's shows as 5-15% of a step."""
-    straggler_min_lag: float = 0.1
-    """...and its groups waited on it, on average over the collectives it arrived last at, at
-    least this share of a step: a GPU 2-6% slower than its peers is last at many collectives
-    but by a few percent of a step and is no straggler to act on; one 1.3x slower keeps the job
-    waiting 12-40% of a step."""
-    straggler_one_group_min_last: float = 0.3
-    """Where every rank does the same work in one group (plain DDP, ZeRO), a compute straggler
-    is last at at least this share of its collectives..."""
-    straggler_one_group_clear_ratio: float = 1.4
-    """...or at half that share when it computes at least this many times as long as its peers
-    (a GPU a few percent slower never does; a 1.5x straggler hidden for part of the window
-    behind pauses elsewhere, rank 0's evaluation, a checkpoint, is last less often)."""
-    straggler_consistent_margin: float = 0.1
-    """...or, whichever is less, last at this share of its collectives more than the median
-    rank."""
-    straggler_shadow_ratio: float = 0.7
-    """A candidate sharing a group with a stronger one (later on average, last more often) is its
-    shadow (it waited for the straggler in one group, then arrived late in the next) unless its
-    own last fraction is at least this share of the stronger one's."""
-
-    # slow link (analysis.links)
-    link_min_transfers: int = 3
-    """A link needs this many transfers in the window to be judged."""
-    link_min_comparable: int = 6
-    """Links are only compared within a class (intra-node, inter-node) holding this many."""
-    link_min_z: float = 6.0
-    """A slow link's mean transfer time is this many robust deviations above its class median..."""
-    link_min_ratio: float = 1.5
-    """...and at least this multiple of the median (its mean taken without its worst transfer;
-    two network hiccups among a dozen transfers still lift a healthy link to ~1.45x)."""
-    link_full_margin_transfers: float = 16.0
-    """Links of up to this many transfers need all of `link_min_ratio`; one of n more needs
-    1 + (link_min_ratio - 1) x this / n, and at least `link_node_min_ratio`."""
-    link_node_min_ratio: float = 1.25
-    """A node's links count as slow from this multiple on (with the same z-score): many links
-    together need less margin each than one."""
-    link_node_fraction: float = 0.75
-    """When at least this share of a node's links (and at least two) is slow, the node (its NIC)
-    is blamed rather than one link."""
-
-    # hardware (analysis.hardware)
-    throttle_min_excess: float = 1.08
-    """A GPU that reports throttling or slowed clocks is a hardware verdict when its rank
-    computes at least this many times as long as its role peers, over more than one pause's
-    worth (`analysis.hardware.detect_throttled_gpu`): the event makes a smaller slowdown than a
-    straggler's credible, the measured slowdown makes the event matter."""
-    health_slack_s: float = 30.0
-    """Health events this long before the window (or after it) still count as coinciding; for a
-    stop, this long before the culprits' last activity or after their peers started waiting."""
-    health_gpu_by_local_rank: bool = True
-    """A rank drives the GPU of its index among its node's ranks (torchrun's LOCAL_RANK as
-    `cuda:LOCAL_RANK`), so a GPU's health sample explains only its own rank's slowness or stop.
-    Turn off for jobs that map devices otherwise (a CUDA_VISIBLE_DEVICES per rank, several GPUs
-    per process): samples then match at node level, with one notch less confidence."""
-
-    # silent hang (analysis.stacks)
-    step_stall_factor: float = 10.0
-    """Throughput collapse: the median rank has not finished a step for this many typical step
-    times..."""
-    step_stall_min_s: float = 10.0
-    """...and for at least this long."""
-    stack_frames: int = 3
-    """Stacks are clustered by their innermost this many frames."""
-    stack_outlier_ratio: float = 4.0
-    """A stack cluster at most 1/this of the largest one is an outlier."""
-    stack_max_outlier_fraction: float = 0.2
-    """Outliers covering more of the ranks than this are no sure localization: the analysis then
-    names the first outlier's whole (smallest) group with low confidence."""
-    stack_min_dominant_fraction: float = 0.5
-    """...as it does when the largest cluster covers less than this share of the ranks."""
-
-    # machine-level outliers (analysis.outliers)
-    outlier_windows: int = 4
-    """The model looks at this many most recent windows..."""
-    outlier_min_flagged: int = 3
-    """...and flags a node only when it is an outlier in at least this many of them."""
-    outlier_z: float = 5.0
-    """In a flagged window the node's lateness and its last fraction are both this many robust
-    deviations above the median node's (the bad direction: a node that arrives early and waits
-    more is a healthy, faster node; one last more often but not later sits at a pipeline
-    boundary)..."""
-    outlier_lof: float = 1.5
-    """...and its local outlier factor (scikit-learn LocalOutlierFactor over the per-window
-    standardized features) is at least this."""
-    outlier_neighbors: int = 35
-    """LocalOutlierFactor's n_neighbors (fewer when there are fewer points)."""
-    outlier_min_nodes: int = 8
-    """Fewer nodes than this give no population to compare against."""
-
 
 def _sec(us: int) -> float:
     return round(us / _US, 3)
@@ -312,7 +137,7 @@ def detect_crash(snap: JobSnapshot, settings: DetectionSettings,
     if not failures:
         return None
     first = failures[0]
-    if snap.now_us - first.time_us < settings.crash_settle_s * _US:
+    if snap.now_us - first.time_us < settings.crash.settle_s * _US:
         return None
     culprits = [first]
     # Exits within the clock's resolution of each other cannot be ordered: name them all.
@@ -506,8 +331,8 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     once; busy ones a stall, and a hang only once peers have waited the busy grace."""
     beats: dict[int, Heartbeat] = {int(hb.rank): hb for hb in snap.heartbeats}
     exited = {int(e.rank) for e in snap.exits}
-    silent_after_us = snap.now_us - int(settings.heartbeat_timeout_s * _US)
-    hang_us = int(settings.hang_after_s * _US)
+    silent_after_us = snap.now_us - int(settings.hang.heartbeat_timeout_s * _US)
+    hang_us = int(settings.hang.after_s * _US)
 
     stalled: list[_Wait] = []
     for hb in beats.values():
@@ -529,7 +354,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
 
     members = group_members(snap)
     expected = set(snap.expected_ranks) | set(beats)
-    lives = assess(snap, heartbeat_timeout_s=settings.heartbeat_timeout_s,
+    lives = assess(snap, heartbeat_timeout_s=settings.hang.heartbeat_timeout_s,
                    ranks={r: beats.get(r) for r in expected})
     frozen = frozenset(r for r, life in lives.items() if life.frozen)
     stuck_us = {r: _stuck_us(hb) for r, hb in beats.items()}
@@ -595,7 +420,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         else:
             busy.append(r)
     if not hard and busy:
-        if longest.waited_us < int(settings.busy_grace_s * _US):
+        if longest.waited_us < int(settings.hang.busy_grace_s * _US):
             return _stall(snap, settings, busy=busy, lives=lives, beats=beats,
                           stalled=stalled, longest=longest, node_of=node_of)
         hard, basis_override = busy, Basis.BUSY_TIMEOUT
@@ -683,7 +508,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                 if basis is not Basis.BUSY_TIMEOUT else
                 f"rank {r} on node {node_of(r)} has kept its peers waiting for "
                 f"{_sec(longest.waited_us):.1f} s, longer than the busy grace of "
-                f"{settings.busy_grace_s:.0f} s, outside collectives"
+                f"{settings.hang.busy_grace_s:.0f} s, outside collectives"
                 + _busy_where(lives.get(r), _since_us(beats.get(r)))
             ),
         )
@@ -734,7 +559,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         lead = lives.get(ranks[0])
         state = f" ({lead.why})" if lead is not None and lead.frozen and len(ranks) == 1 else ""
         if basis is Basis.BUSY_TIMEOUT:
-            state = f" (busy outside collectives past the {settings.busy_grace_s:.0f} s grace)"
+            state = f" (busy outside collectives past the {settings.hang.busy_grace_s:.0f} s grace)"
         summary = (
             f"{who}{more}{state} blocked the job: {len(stalled)} rank(s) have waited up to "
             f"{_sec(longest.waited_us):.1f} s in {longest.op} #{longest.seq} of group "
@@ -819,7 +644,7 @@ def _stall(
         + (f" (at {where})" if where else "")
         + f": {len(stalled)} rank(s) have waited up to {_sec(longest.waited_us):.1f} s in "
         f"{longest.op} #{longest.seq} of group {longest.group}; nothing is done unless it "
-        f"lasts {settings.busy_grace_s:.0f} s"
+        f"lasts {settings.hang.busy_grace_s:.0f} s"
     )
     nodes = {r: node_of(r) for r in ranks}
     return Verdict(

@@ -46,7 +46,7 @@ from dataclasses import replace
 
 from tracehound.analysis.common import typical_step_us
 from tracehound.analysis.confidence import nudged
-from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang
+from tracehound.analysis.detect import detect_crash, detect_hang
 from tracehound.analysis.hardware import (
     correlate_hardware,
     detect_slow_node,
@@ -57,6 +57,7 @@ from tracehound.analysis.links import detect_slow_link
 from tracehound.analysis.mismatch import detect_mismatch
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.outliers import detect_node_outliers
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.stacks import detect_silent_hang
 from tracehound.analysis.standstill import detect_standstill

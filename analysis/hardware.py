@@ -143,9 +143,9 @@ from tracehound.analysis.common import (
     who,
 )
 from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, WEAK, nudged
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.liveness import last_activity_us
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import HealthSample, HealthSeverity, IncidentKind
@@ -301,7 +301,7 @@ def symptom_of(verdict: Verdict, nodes: Mapping[int, str]) -> Symptom | None:
 def rank_gpus(snap: JobSnapshot, settings: DetectionSettings) -> dict[int, int]:
     """Rank -> the index of the GPU it drives, for the nodes where that mapping is known (see
     the module docstring); empty when `health_gpu_by_local_rank` is off."""
-    if not settings.health_gpu_by_local_rank:
+    if not settings.hardware.health_gpu_by_local_rank:
         return {}
     per_node = node_ranks(rank_nodes(snap))
     if not per_node:
@@ -415,7 +415,7 @@ def judge_health(verdict: Verdict, obs: Observation,
         on_node.setdefault(nodes.get(r, "unknown"), []).append(r)
     gpus = rank_gpus(obs.snapshot, settings)
     span = symptom_span(verdict, symptom, obs)
-    slack = round(settings.health_slack_s * US_PER_S)
+    slack = round(settings.hardware.health_slack_s * US_PER_S)
     # The events of the minutes before the window (`Observation.health`) are judged for a
     # stop, which may have begun then; a symptom of the window is judged by the window's own.
     oldest = -1 if symptom is _S.STOPPED else obs.window_start_us - slack
@@ -453,7 +453,7 @@ def judge_health(verdict: Verdict, obs: Observation,
 
 def health_events(obs: Observation, settings: DetectionSettings) -> dict[str, list[HealthSample]]:
     """Warning and critical samples near the window, per node, worst and earliest first."""
-    slack = int(settings.health_slack_s * US_PER_S)
+    slack = int(settings.hardware.health_slack_s * US_PER_S)
     lo, hi = obs.window_start_us - slack, obs.window_end_us + slack
     out: dict[str, list[HealthSample]] = {}
     for s in obs.health:
@@ -609,12 +609,12 @@ def _late_windows(obs: Observation, node: str, nodes: dict[int, str],
     cols = [index[p] for p in sorted(peers) if p in index]
     if not cols:
         return []
-    lateness = windows.features[-settings.outlier_windows:, :, 0]
+    lateness = windows.features[-settings.outliers.windows:, :, 0]
     own = lateness[:, index[node]]
     seen = ~np.isnan(own)
-    if int(seen.sum()) < settings.outlier_min_flagged:
+    if int(seen.sum()) < settings.outliers.min_flagged:
         return []
-    margin = max(settings.straggler_min_lateness_us, settings.straggler_min_slowdown * interval)
+    margin = max(settings.straggler.min_lateness_us, settings.straggler.min_slowdown * interval)
     out: list[tuple[float, float]] = []
     for w in np.flatnonzero(seen):
         theirs = lateness[w, cols]
@@ -637,7 +637,7 @@ def detect_slow_node(obs: Observation, settings: DetectionSettings) -> Verdict |
     events = _slow_node_events(obs, settings)
     if not events:
         return None
-    judged = stats.n >= settings.straggler_min_collectives
+    judged = stats.n >= settings.straggler.min_collectives
     if not judged.any():
         return None
     interval = collective_interval(stats, judged)
@@ -696,8 +696,8 @@ def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdi
     stats = obs.ranks
     if stats is None:
         return None
-    judged = judged_on_compute(stats, min_collectives=settings.straggler_busy_min_collectives,
-                               min_active_us=settings.straggler_min_active_us)
+    judged = judged_on_compute(stats, min_collectives=settings.straggler.busy_min_collectives,
+                               min_active_us=settings.straggler.min_active_us)
     if int(judged.sum()) < 2:
         return None
     own = own_time(stats, judged, role_groups(obs.snapshot, obs.links, stats.rank))
@@ -712,10 +712,10 @@ def detect_throttled_gpu(obs: Observation, settings: DetectionSettings) -> Verdi
     steps = np.maximum(np.asarray(stats.active_us, dtype=np.float64) / step_us, 1.0)
     throttled_slow = (
         judged
-        & ((own.excess_us / steps >= settings.straggler_min_step_cost * step_us)
-           | (own.blame_share >= settings.straggler_min_step_cost))
-        & (own.ratio >= settings.throttle_min_excess)
-        & (own.excess_us >= settings.straggler_min_excess_us)
+        & ((own.excess_us / steps >= settings.straggler.min_step_cost * step_us)
+           | (own.blame_share >= settings.straggler.min_step_cost))
+        & (own.ratio >= settings.hardware.throttle_min_excess)
+        & (own.excess_us >= settings.straggler.min_excess_us)
         & own.spread_out()
     )
     nodes = rank_nodes(obs.snapshot)

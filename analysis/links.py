@@ -45,8 +45,8 @@ import numpy.typing as npt
 
 from tracehound.analysis.common import ms, own_time, rank_nodes, role_groups
 from tracehound.analysis.confidence import LIKELY, STRONG, WEAK
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.straggler import compute_stragglers
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
@@ -92,7 +92,7 @@ def _slow_computing(obs: Observation, settings: DetectionSettings) -> set[int]:
     stats = obs.ranks
     if stats is None:
         return set()
-    judged = stats.n >= settings.straggler_busy_min_collectives
+    judged = stats.n >= settings.straggler.busy_min_collectives
     own = own_time(stats, judged, role_groups(obs.snapshot, obs.links, stats.rank))
     if own is None:
         return set()
@@ -102,7 +102,7 @@ def _slow_computing(obs: Observation, settings: DetectionSettings) -> set[int]:
 def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict | None:
     """The slowest outlier link, or the node whose links are all slow (see the docstring)."""
     links = obs.links
-    if links is None or links.src.shape[0] < settings.link_min_comparable:
+    if links is None or links.src.shape[0] < settings.link.min_comparable:
         return None
     nodes = rank_nodes(obs.snapshot)
     codes: dict[str, int] = {}
@@ -111,7 +111,7 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
     dst_code = np.array([codes.setdefault(nodes.get(int(r), f"?{r}"), len(codes))
                          for r in links.dst], dtype=np.int64)
     names = list(codes)
-    judged = links.n >= settings.link_min_transfers
+    judged = links.n >= settings.link.min_transfers
     # the mean without the worst transfer: one network hiccup does not make a link slow
     count = links.n.astype(np.float64)
     total = links.transfer_mean_us.astype(np.float64) * count
@@ -128,7 +128,7 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
     for cls in (intra, ~intra):
         sel = judged & cls
         in_class = int(sel.sum())
-        if in_class < settings.link_min_comparable:
+        if in_class < settings.link.min_comparable:
             continue
         center = float(np.median(transfer[sel]))
         mad = float(np.median(np.abs(transfer[sel] - center))) * 1.4826
@@ -140,13 +140,13 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
     # One hiccup left after trimming lifts a link's mean by its size over the link's transfers:
     # a link of many transfers needs less margin (down to the node margin) than one of a dozen.
     needed = np.maximum(
-        settings.link_node_min_ratio,
-        1.0 + (settings.link_min_ratio - 1.0)
-        * np.minimum(1.0, settings.link_full_margin_transfers / np.maximum(count, 1.0)),
+        settings.link.node_min_ratio,
+        1.0 + (settings.link.min_ratio - 1.0)
+        * np.minimum(1.0, settings.link.full_margin_transfers / np.maximum(count, 1.0)),
     )
-    slow = judged & (z >= settings.link_min_z) & (ratio >= needed)
+    slow = judged & (z >= settings.link.min_z) & (ratio >= needed)
     # A node is judged on all its links together, so each of them needs less margin.
-    weak = judged & (z >= settings.link_min_z) & (ratio >= settings.link_node_min_ratio)
+    weak = judged & (z >= settings.link.min_z) & (ratio >= settings.link.node_min_ratio)
     if not weak.any():
         return None
     # Links with a slow GPU at one end: slow at everything, a straggler's, not a link's.
@@ -192,7 +192,7 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
         peers = set(links.dst[mine & (src_code == code)].tolist()) | set(
             links.src[mine & (dst_code == code)].tolist())
         share = slow_touch[code] / max(touch[code], 1)
-        if len(peers) >= 2 and share >= settings.link_node_fraction:
+        if len(peers) >= 2 and share >= settings.link.node_fraction:
             qualified.append(int(code))
     most = max((int(slow_touch[c]) for c in qualified), default=0)
     tied = [c for c in qualified if slow_touch[c] == most]

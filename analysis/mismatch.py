@@ -5,7 +5,7 @@ majority is the culprit; Flight Recorder's own analyzer blames whichever side it
 
 1. Recorded collectives that disagree (`Observation.disagreements`): the rows of one (group, seq)
    do not share one op, size and dtype. A size difference alone does not count for ops whose
-   members legitimately pass different sizes (`DetectionSettings.mismatch_size_exempt_ops`; the
+   members legitimately pass different sizes (`DetectionSettings.mismatch.size_exempt_ops`; the
    store leaves those out before its limit). When the store's limit cut the list, the verdict
    says how many disagreeing collectives were not read (`Observation.disagreements_dropped`).
 2. Heartbeats: members pending on the same sequence id of a group with different ops (a
@@ -61,8 +61,8 @@ from tracehound.analysis.common import (
     who,
 )
 from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, WEAK, raised
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import GroupProgress, IncidentKind
 from tracehound.tracing.summaries import Disagreement, group_order
@@ -253,8 +253,8 @@ def _from_pending(
 def _pending_findings(obs: Observation, settings: DetectionSettings) -> list[_Finding]:
     snap = obs.snapshot
     exited = {e.rank for e in snap.exits}
-    fresh_after = snap.now_us - int(settings.heartbeat_timeout_s * US_PER_S)
-    hang_us = int(settings.hang_after_s * US_PER_S)
+    fresh_after = snap.now_us - int(settings.hang.heartbeat_timeout_s * US_PER_S)
+    hang_us = int(settings.hang.after_s * US_PER_S)
     by_group: dict[str, list[tuple[int, GroupProgress, int]]] = {}
     pending_groups: set[str] = set()
     for hb in snap.heartbeats:
@@ -278,7 +278,7 @@ def _pending_findings(obs: Observation, settings: DetectionSettings) -> list[_Fi
         for view in ([(r, _blocked_on(g), beat_us) for r, g, beat_us in entries], entries):
             found = _from_pending(group, view, size, hang_us, snap.now_us,
                                   fresh_after_us=fresh_after,
-                                  exempt=settings.mismatch_size_exempt_ops)
+                                  exempt=settings.mismatch.size_exempt_ops)
             if found:
                 break
         findings += found
@@ -357,7 +357,7 @@ def _vote_confidence(lead: _Finding, minority: float) -> float:
 
 def detect_mismatch(obs: Observation, settings: DetectionSettings) -> Verdict | None:
     """The ranks that differ from their group's majority (see the module docstring)."""
-    exempt = settings.mismatch_size_exempt_ops
+    exempt = settings.mismatch.size_exempt_ops
     sizes: dict[str, int] = {}
     for info in obs.snapshot.groups:
         sizes.setdefault(info.group, len(info.ranks))

@@ -19,7 +19,7 @@ from tracehound.analysis.clocks import (
     estimate_clocks,
     with_readings,
 )
-from tracehound.analysis.detect import UNEVEN_OPS
+from tracehound.analysis.settings import UNEVEN_OPS
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
 from tracehound.tracing.events import HealthSample, HealthSeverity, StackSample
 from tracehound.tracing.ids import JobId
@@ -29,7 +29,7 @@ from tracehound.tracing.summaries import Disagreement, LinkStats, NodeWindows, R
 HEALTH_LOOKBACK_S = 600.0
 """How far before the window an observation holds health events: a fault that stopped a rank
 (an Xid, a GPU fallen off the bus) is reported once, near the stop, and explains the stop for
-as long as it lasts (`DetectionSettings.busy_grace_s`)."""
+as long as it lasts (`DetectionSettings.hang.busy_grace_s`)."""
 
 
 def window_health(samples: Iterable[HealthSample], start_us: int, end_us: int, *,

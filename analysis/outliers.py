@@ -27,8 +27,8 @@ import numpy as np
 
 from tracehound.analysis.common import ms, node_ranks, pct, rank_nodes
 from tracehound.analysis.confidence import LIKELY, WEAK
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
 from tracehound.tracing.summaries import F64, NodeWindows
@@ -68,16 +68,16 @@ def _standardize(features: F64) -> tuple[F64, F64]:
 def outlier_nodes(nw: NodeWindows, settings: DetectionSettings) -> list[NodeOutlier]:
     """The nodes flagged over the last windows, most outlying first (see the docstring)."""
     features = np.asarray(nw.features, dtype=np.float64)
-    if features.ndim != 3 or features.shape[1] < settings.outlier_min_nodes:
+    if features.ndim != 3 or features.shape[1] < settings.outliers.min_nodes:
         return []
-    features = features[-settings.outlier_windows:]
+    features = features[-settings.outliers.windows:]
     windows = features.shape[0]
-    if windows < settings.outlier_min_flagged:
+    if windows < settings.outliers.min_flagged:
         return []
     z, medians = _standardize(features)
     bad = np.fmin(z[:, :, 0], z[:, :, 1])  # lateness and last fraction, the weaker of the two
-    first = np.nan_to_num(bad, nan=-np.inf) >= settings.outlier_z
-    candidates = np.flatnonzero(first.sum(axis=0) >= settings.outlier_min_flagged)
+    first = np.nan_to_num(bad, nan=-np.inf) >= settings.outliers.z
+    candidates = np.flatnonzero(first.sum(axis=0) >= settings.outliers.min_flagged)
     if candidates.size == 0:
         return []
 
@@ -87,15 +87,15 @@ def outlier_nodes(nw: NodeWindows, settings: DetectionSettings) -> list[NodeOutl
     points = np.clip(z[finite], -_CLIP, _CLIP)
     if points.shape[0] <= 2:
         return []
-    lof = LocalOutlierFactor(n_neighbors=min(settings.outlier_neighbors, points.shape[0] - 1))
+    lof = LocalOutlierFactor(n_neighbors=min(settings.outliers.neighbors, points.shape[0] - 1))
     lof.fit(points)
     score = np.zeros(z.shape[:2])
     score[finite] = -lof.negative_outlier_factor_
-    flagged = first & finite & (score >= settings.outlier_lof)
+    flagged = first & finite & (score >= settings.outliers.lof)
     counts = flagged.sum(axis=0)
     out: list[NodeOutlier] = []
     for c in candidates:
-        if counts[c] < settings.outlier_min_flagged:
+        if counts[c] < settings.outliers.min_flagged:
             continue
         rows = flagged[:, c]
         out.append(NodeOutlier(

@@ -34,8 +34,8 @@ from tracehound.analysis.common import (
     who,
 )
 from tracehound.analysis.confidence import LIKELY, STRONG, UNSURE, between
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
@@ -47,7 +47,7 @@ def throughput_collapse(snap: JobSnapshot, settings: DetectionSettings) -> str |
     """Words saying how long the job has made no step, when that is `step_stall_factor` typical
     step times (and `step_stall_min_s`) for the median reporting rank; None otherwise."""
     exited = {e.rank for e in snap.exits}
-    fresh_after = snap.now_us - int(settings.heartbeat_timeout_s * US_PER_S)
+    fresh_after = snap.now_us - int(settings.hang.heartbeat_timeout_s * US_PER_S)
     rows = [
         (hb.time_us - hb.step_us, (hb.step_us - hb.first_step_us) / (hb.step - hb.start_step - 1))
         for hb in snap.heartbeats
@@ -58,7 +58,8 @@ def throughput_collapse(snap: JobSnapshot, settings: DetectionSettings) -> str |
         return None
     arr = np.asarray(rows, dtype=np.float64)
     since, typical = float(np.median(arr[:, 0])), float(np.median(arr[:, 1]))
-    floor = max(settings.step_stall_factor * typical, settings.step_stall_min_s * US_PER_S)
+    floor = max(settings.stacks.step_stall_factor * typical,
+                settings.stacks.step_stall_min_s * US_PER_S)
     waiting = any(
         g.pending_op
         for hb in snap.heartbeats if hb.rank not in exited and hb.time_us >= fresh_after
@@ -67,7 +68,7 @@ def throughput_collapse(snap: JobSnapshot, settings: DetectionSettings) -> str |
     if not waiting:
         # Nobody waits in a collective: every rank is busy on its own (a long evaluation, a
         # checkpoint on every rank). That is a stall, a fault only after the busy grace.
-        floor = max(floor, settings.busy_grace_s * US_PER_S)
+        floor = max(floor, settings.hang.busy_grace_s * US_PER_S)
     if since < floor:
         return None
     return (
@@ -92,12 +93,12 @@ def detect_silent_hang(obs: Observation, settings: DetectionSettings, *,
     samples = [s for s in obs.stacks if s.rank not in exited and s.frames]
     if len(samples) < _MIN_STACKS:
         return None
-    k = max(1, settings.stack_frames)
+    k = max(1, settings.stacks.frames)
     signature = {int(s.rank): s.frames[-k:] for s in samples}
     clusters = Counter(signature.values())
     (dominant, largest), *_ = clusters.most_common()
     small = {sig for sig, size in clusters.items()
-             if size * settings.stack_outlier_ratio <= largest}
+             if size * settings.stacks.outlier_ratio <= largest}
     if not small:
         return None
     # A stack that is a prefix of a large cluster's stack (the sampler caught the rank in the
@@ -124,8 +125,8 @@ def detect_silent_hang(obs: Observation, settings: DetectionSettings, *,
     dominant_share = largest / total
     nodes = rank_nodes(snap)
     sure = (
-        len(outliers) <= settings.stack_max_outlier_fraction * total
-        and dominant_share >= settings.stack_min_dominant_fraction
+        len(outliers) <= settings.stacks.max_outlier_fraction * total
+        and dominant_share >= settings.stacks.min_dominant_fraction
     )
     group = ""
     if sure:

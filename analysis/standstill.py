@@ -43,7 +43,6 @@ from collections.abc import Callable, Mapping
 
 from tracehound.analysis.common import ordered_nodes, rank_nodes, who
 from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, UNSURE
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.liveness import (
     RankLife,
     assess,
@@ -52,6 +51,7 @@ from tracehound.analysis.liveness import (
     stack_wait,
     where_words,
 )
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import Heartbeat, IncidentKind, StackSample
@@ -91,9 +91,9 @@ def detect_standstill(snap: JobSnapshot, settings: DetectionSettings) -> Verdict
     ranks = set(snap.expected_ranks) | set(beats)
     if len(ranks) < 2:
         return None
-    lives = assess(snap, heartbeat_timeout_s=settings.heartbeat_timeout_s,
+    lives = assess(snap, heartbeat_timeout_s=settings.hang.heartbeat_timeout_s,
                    ranks={r: beats.get(r) for r in ranks})
-    hang_us = int(settings.hang_after_s * _US)
+    hang_us = int(settings.hang.after_s * _US)
     frozen = {r for r, life in lives.items() if life.frozen}
     running = sorted(r for r in ranks if r not in frozen)
     if not running:
@@ -143,7 +143,7 @@ def detect_standstill(snap: JobSnapshot, settings: DetectionSettings) -> Verdict
             evidence=tuple(peer_facts), observed_at_us=snap.now_us,
         )
     busy.sort(key=lambda r: (-idle[r], r))
-    hang = waited >= int(settings.busy_grace_s * _US)
+    hang = waited >= int(settings.hang.busy_grace_s * _US)
     evidence = [
         Evidence(
             fact=Fact.BUSY, rank=r, node=node_of(r), value=idle[r] / _US,
@@ -159,11 +159,11 @@ def detect_standstill(snap: JobSnapshot, settings: DetectionSettings) -> Verdict
             f"while {len(waits)} rank(s) have waited up to {waited / _US:.1f} s in collectives "
             "the trace does not show (no traced collective is pending)")
     if hang:
-        summary = (f"{head}; past the busy grace of {settings.busy_grace_s:.0f} s the program "
+        summary = (f"{head}; past the busy grace of {settings.hang.busy_grace_s:.0f} s the program "
                    "is stuck there")
         kind, basis, confidence = IncidentKind.HANG, Basis.BUSY_TIMEOUT, LIKELY
     else:
-        summary = f"{head}; nothing is done unless it lasts {settings.busy_grace_s:.0f} s"
+        summary = f"{head}; nothing is done unless it lasts {settings.hang.busy_grace_s:.0f} s"
         kind, basis, confidence = IncidentKind.STALL, Basis.STANDSTILL, LIKELY
     ordered = tuple(busy)
     return Verdict(
@@ -179,7 +179,7 @@ def _all_busy(snap: JobSnapshot, *, running: list[int], lives: Mapping[int, Rank
     """Every rank busy outside collectives, nobody waiting: a hang on all of them once the
     least idle has been so for the busy grace."""
     still = min(idle.values())
-    if still < int(settings.busy_grace_s * _US):
+    if still < int(settings.hang.busy_grace_s * _US):
         return None
     ordered = tuple(running)
     evidence = [
@@ -197,7 +197,7 @@ def _all_busy(snap: JobSnapshot, *, running: list[int], lives: Mapping[int, Rank
         culprit_nodes=ordered_nodes(ordered, nodes), confidence=UNSURE,
         basis=Basis.BUSY_TIMEOUT,
         summary=(f"no rank has progressed for {still / _US:.1f} s, longer than the busy grace "
-                 f"of {settings.busy_grace_s:.0f} s, every one alive and outside collectives "
+                 f"of {settings.hang.busy_grace_s:.0f} s, every one alive and outside collectives "
                  "(no traced collective is pending): the program is stuck"),
         evidence=tuple(evidence), observed_at_us=snap.now_us,
     )

@@ -55,8 +55,8 @@ from tracehound.analysis.common import (
     who,
 )
 from tracehound.analysis.confidence import CERTAIN, LIKELY, WEAK, between
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
 from tracehound.tracing.summaries import F64, I64, RankStats
@@ -103,8 +103,8 @@ def detect_straggler(obs: Observation, settings: DetectionSettings) -> Verdict |
     stats = obs.ranks
     if stats is None:
         return None
-    judged = judged_on_compute(stats, min_collectives=settings.straggler_busy_min_collectives,
-                               min_active_us=settings.straggler_min_active_us)
+    judged = judged_on_compute(stats, min_collectives=settings.straggler.busy_min_collectives,
+                               min_active_us=settings.straggler.min_active_us)
     groups = role_groups(obs.snapshot, obs.links, stats.rank)
     own = own_time(stats, judged, groups)
     if own is None:
@@ -126,8 +126,8 @@ def compute_stragglers(own: OwnTime, judged: npt.NDArray[np.bool_], n: I64,
     detector). `n`: each rank's collectives."""
     return (
         judged
-        & (own.ratio >= settings.straggler_min_excess)
-        & (own.excess_us >= settings.straggler_min_excess_us)
+        & (own.ratio >= settings.straggler.min_excess)
+        & (own.excess_us >= settings.straggler.min_excess_us)
         & (own.excess_gaps >= _needed_gaps(own, n, settings))
         & own.spread_out()
     )
@@ -146,7 +146,7 @@ def _needed_gaps(own: OwnTime, n: I64, settings: DetectionSettings) -> F64:
     (a rank that much slower than its peers)."""
     gaps = np.maximum(own.peer_gaps, 1.0)
     per_gap = np.where(n / gaps >= _MANY_COLLECTIVES_PER_GAP, _GAPS_PER_GAP, _FEW_GAPS_PER_GAP)
-    return np.minimum(settings.straggler_min_excess_gaps, per_gap * (gaps - 1.0))
+    return np.minimum(settings.straggler.min_excess_gaps, per_gap * (gaps - 1.0))
 
 
 def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats, own: OwnTime,
@@ -168,23 +168,23 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
         steps = np.maximum(stats.active_us.astype(np.float64) / step_us, 1.0)
         cost = own.excess_us / steps / step_us
     heavy = (np.zeros(n.shape, dtype=np.bool_) if cost is None
-             else cost >= 2 * settings.straggler_min_step_cost)
+             else cost >= 2 * settings.straggler.min_step_cost)
     if own.has_blame:
-        candidate &= own.blame_share >= settings.straggler_min_blame
+        candidate &= own.blame_share >= settings.straggler.min_blame
         # ...and consistently: last far more often than chance makes the median rank (in a
         # large group a rank that met more slow moments than its peers by chance is last a few
         # times its share; a slower GPU is last at most collectives of the step it is slow in;
         # in small groups, where the median rank is last often, a margin above it suffices)
-        consistent = fraction >= min(settings.straggler_consistent_ratio * p0, (1.0 + p0) / 2,
-                                     p0 + settings.straggler_consistent_margin)
+        consistent = fraction >= min(settings.straggler.consistent_ratio * p0, (1.0 + p0) / 2,
+                                     p0 + settings.straggler.consistent_margin)
         # (a window of few collectives, as in long pipeline steps, says little by counts: there
         # a rank whose extra compute costs the job a large share of a step needs only to be
         # last more often than the median rank)
-        few = n < settings.straggler_min_collectives * 2
+        few = n < settings.straggler.min_collectives * 2
         candidate &= consistent | (few & (fraction > p0) & (last >= 2) & heavy)
     else:
         # without blame, the arrival order corroborates: last well above the median rank
-        candidate &= fraction >= min(settings.straggler_min_last_ratio * p0, (1.0 + p0) / 2)
+        candidate &= fraction >= min(settings.straggler.min_last_ratio * p0, (1.0 + p0) / 2)
     if cost is not None:
         # ...and it costs the job a share of each step
         if own.has_blame and one_group:
@@ -194,17 +194,17 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
             # its extra compute costs twice the usual share of a step (ZeRO: gathers every
             # layer, so the lag at each is short however slow the rank).
             lag = own.blame_us / np.maximum(last, 1.0) / step_us
-            candidate &= (lag >= settings.straggler_min_lag) | heavy
+            candidate &= (lag >= settings.straggler.min_lag) | heavy
             # ...and, every rank meeting every collective, it is last at a large share of
             # them: a slower GPU at most of each step's; a GPU a few percent slower, or one
             # that met more pauses than its peers, mostly at less than a quarter (half that
             # for a rank computing far longer than its peers, as no GPU a few percent slower
             # does: pauses elsewhere hide part of its lateness)
-            clear = own.ratio >= settings.straggler_one_group_clear_ratio
+            clear = own.ratio >= settings.straggler.one_group_clear_ratio
             candidate &= fraction >= np.where(clear, 0.5, 1.0) * (
-                settings.straggler_one_group_min_last)
+                settings.straggler.one_group_min_last)
         else:
-            candidate &= cost >= settings.straggler_min_step_cost
+            candidate &= cost >= settings.straggler.min_step_cost
     idx = np.flatnonzero(candidate)
     if idx.size == 0:
         return None
@@ -286,7 +286,7 @@ def _by_arrival(obs: Observation, settings: DetectionSettings) -> Verdict | None
     stats = obs.ranks
     if stats is None:
         return None
-    judged = stats.n >= settings.straggler_min_collectives
+    judged = stats.n >= settings.straggler.min_collectives
     if int(judged.sum()) < _MIN_RANKS:
         return None
     n = stats.n.astype(np.float64)
@@ -300,9 +300,9 @@ def _by_arrival(obs: Observation, settings: DetectionSettings) -> Verdict | None
     interval = collective_interval(stats, judged)
     consistent = (
         judged
-        & (z_last >= settings.straggler_min_last_z)
-        & (fraction >= max(settings.straggler_min_last_fraction,
-                           min(settings.straggler_min_last_ratio * p0, (1.0 + p0) / 2)))
+        & (z_last >= settings.straggler.min_last_z)
+        & (fraction >= max(settings.straggler.min_last_fraction,
+                           min(settings.straggler.min_last_ratio * p0, (1.0 + p0) / 2)))
     )
     members = group_members(obs.snapshot)
     peer_center = _peer_lateness(stats.rank, lateness, judged, np.flatnonzero(consistent),
@@ -311,8 +311,8 @@ def _by_arrival(obs: Observation, settings: DetectionSettings) -> Verdict | None
     slowdown = excess / interval if interval > 0 else np.full_like(lateness, np.inf)
     candidate = (
         consistent
-        & (excess >= settings.straggler_min_lateness_us)
-        & (slowdown >= settings.straggler_min_slowdown)
+        & (excess >= settings.straggler.min_lateness_us)
+        & (slowdown >= settings.straggler.min_slowdown)
     )
     idx = np.flatnonzero(candidate)
     if idx.size == 0:
@@ -333,7 +333,7 @@ def _by_arrival(obs: Observation, settings: DetectionSettings) -> Verdict | None
             if (
                 shares
                 and lateness[i] <= lateness[j]
-                and fraction[i] < settings.straggler_shadow_ratio * fraction[j]
+                and fraction[i] < settings.straggler.shadow_ratio * fraction[j]
             ):
                 shadow = True
                 break

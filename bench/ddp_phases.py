@@ -70,7 +70,7 @@ def _timed_entry_points(counts: dict[str, list[float]]) -> None:
     """Wrap each recorder entry point so that its calls and wall time add up in `counts`."""
     from tracehound.agent.rank import hooks, recorder
 
-    owners = {"_Reducer": hooks._Reducer, "_DdpCount": hooks._DdpCount,
+    owners = {"_Reducer": hooks.ddp._Reducer, "_DdpCount": hooks.ddp._DdpCount,
               "Recorder": recorder.Recorder}
     clock = time.perf_counter
     for owner, name in ENTRY_POINTS:

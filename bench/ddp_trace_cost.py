@@ -5,15 +5,15 @@ steps (so the machine's drift hits all alike), timed by this process's CPU time:
 
 - `plain`: DDP's own C++ all-reduce, nothing recorded;
 - `forwarding`: the reducer all-reduces through Tracehound's Python subclass of c10d's
-  ProcessGroup (`hooks._reducer_group`) around a stand-in reducer that only forwards to the real
+  ProcessGroup (`hooks.ddp._reducer_group`) around a stand-in reducer that only forwards to the real
   group: what the route through Python costs by itself (pybind's
   override lookup, the tensors and options handed to Python and back, the GIL taken in the
   backward pass);
-- `traced`: Tracehound's own group (`hooks._trace_ddp`): the same route, plus recording each
+- `traced`: Tracehound's own group (`hooks.ddp._trace_ddp`): the same route, plus recording each
   bucket and ending it at the next bucket or optimizer step, shipped by a real transport to a
   real node agent process;
 - `counted`: Tracehound's group one step in --every (`TRACEHOUND_DDP_TRACE_EVERY`), the other
-  steps on DDP's C++ path and counted (`hooks._DdpCount`: the forward's start and end, one
+  steps on DDP's C++ path and counted (`hooks.ddp._DdpCount`: the forward's start and end, one
   `ddp_comm` event a step). Its optimizer is the lead one, so its steps are the training steps.
 
 A one-rank all-reduce has no peer to wait for, so this measures the work of the training
@@ -87,11 +87,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                   for kind in KINDS}
         # Tracehound's own group around a stand-in reducer that forwards and records nothing;
         # held: the C++ reducer holds the C++ side only
-        forwarding = hooks._reducer_group(
+        forwarding = hooks.ddp._reducer_group(
             dist, SimpleNamespace(inner=inner, allreduce=inner.allreduce))
         models["forwarding"].reducer._update_process_group(forwarding)
-        traced = hooks._trace_ddp(models["traced"], recorder)  # held, as install_ddp does
-        models["counted"]._tracehound_reducer = hooks._trace_ddp(models["counted"], recorder,
+        traced = hooks.ddp._trace_ddp(models["traced"], recorder)  # held, as install_ddp does
+        models["counted"]._tracehound_reducer = hooks.ddp._trace_ddp(models["counted"], recorder,
                                                                  every=args.every)
         optimizers = {kind: torch.optim.SGD(m.parameters(), lr=0.01)
                       for kind, m in models.items()}

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.controller.cli.demo import FaultInjector, run_demo_in_session, training_script
 from tracehound.controller.cli.session import store_session
 from tracehound.controller.orchestrators.local import LocalOrchestrator
@@ -105,7 +105,7 @@ def _shared_baseline(session: Any, timeout_s: float, out: dict[str, Any]) -> Non
     injector = FaultInjector(fault="hang", rank=3, at_step=60)
     settings = SupervisorSettings(
         poll_s=0.5, timeout_s=timeout_s + 300,
-        detection=DetectionSettings(hang_after_s=10 * timeout_s + 3600),
+        detection=DetectionSettings(hang=HangSettings(after_s=10 * timeout_s + 3600)),
         policy=PolicySettings(max_restarts=0),
     )
     orch = LocalOrchestrator(workdir=workdir, sink=session.sink)

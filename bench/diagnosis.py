@@ -84,9 +84,9 @@ import numpy as np
 
 from tracehound.analysis.clocks import clock_bucket_us, estimate_clocks
 from tracehound.analysis.confidence import LEVELS, level_of
-from tracehound.analysis.detect import UNEVEN_OPS
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation, load_observation, window_health
+from tracehound.analysis.settings import UNEVEN_OPS
 from tracehound.analysis.sim import (
     FAULT_KINDS,
     SimulatedJob,

@@ -39,7 +39,7 @@ TRACEHOUND_HEARTBEAT_S = "TRACEHOUND_HEARTBEAT_S"
 
 DEFAULT_HEARTBEAT_S = 0.5
 """A heartbeat shows that a rank is alive and how far it got; the analysis calls a rank silent
-after several missed ones (`DetectionSettings.heartbeat_timeout_s`)."""
+after several missed ones (`DetectionSettings.hang.heartbeat_timeout_s`)."""
 
 MIN_HEARTBEAT_S = 0.01
 """Keeps a mistyped value from flooding the node agent with heartbeats."""

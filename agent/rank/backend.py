@@ -18,7 +18,7 @@ a watcher on the heartbeat thread (`BackendProgress.look`) reads at every wake:
   backend's numbering belongs to and what the pending collective is; nothing else reads them,
   and a healthy job whose untraced collectives never stay in flight that long never pays it.
 
-Groups whose other traffic DDP counts (`hooks._DdpCount`) are left out: their buckets are
+Groups whose other traffic DDP counts (`hooks.ddp._DdpCount`) are left out: their buckets are
 counted there. Where the Flight Recorder is off (`TORCH_FR_BUFFER_SIZE=0`) or absent, nothing is
 reported. A rank's group shows up here only once it was seen waiting; a member that never was
 counts as not entered (a member that completed the collective without waiting in it, the root

@@ -61,7 +61,7 @@ FUNCTIONAL_OPS: dict[str, str] = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
 }
 """funcol entry point -> the op it is recorded under. Aliases call each other (the deprecated
-`*_tensor` names call the `*_single` ones): the depth guard (`hooks._inside`) records the
+`*_tensor` names call the `*_single` ones): the depth guard (`hooks.catalog._inside`) records the
 outermost call only."""
 
 MAX_PENDING = 4096
@@ -99,7 +99,7 @@ class Functional:
         if type(first) is not self.plain_tensor and self.tracing():
             return None
         name = str(self.resolve(group, tag or ""))
-        installer = hooks._installer
+        installer = hooks.state.installer
         if installer is not None and name not in installer.announced:
             c10d = installer.c10d
             installer.first_seen(c10d._resolve_process_group(name))
@@ -199,7 +199,7 @@ def _wrap_call(state: Functional, op: str, original: Callable[..., Any],
     tag_pos = params.index("tag") if "tag" in params else -1
     tensor_name = params[0] if params else "self"
     recorder = state.recorder
-    inside = hooks._inside
+    inside = hooks.catalog._inside
     get_ident = threading.get_ident
 
     @functools.wraps(original)
@@ -217,7 +217,7 @@ def _wrap_call(state: Functional, op: str, original: Callable[..., Any],
             counted = token[0].counted if token is not None else None
         except Exception as exc:
             recorder.note_error(op, exc)
-        if counted is not None:  # a group whose other traffic DDP counts (hooks._DdpCount)
+        if counted is not None:  # a group whose other traffic DDP counts (hooks.ddp._DdpCount)
             before = counted.enter()
         me = get_ident()
         inside.add(me)
@@ -243,7 +243,7 @@ def _wrap_call(state: Functional, op: str, original: Callable[..., Any],
                 recorder.note_error(op, exc)
         return result
 
-    setattr(wrapper, hooks._WRAPPED, original)
+    setattr(wrapper, hooks.catalog._WRAPPED, original)
     return wrapper
 
 
@@ -277,7 +277,7 @@ def _wrap_wait(state: Functional, original: Callable[..., Any],
             recorder.note_error("wait_tensor", exc)
         return result
 
-    setattr(wait_tensor, hooks._WRAPPED, original)
+    setattr(wait_tensor, hooks.catalog._WRAPPED, original)
     return wait_tensor
 
 
@@ -300,12 +300,12 @@ def install_functional(recorder: Recorder) -> int:
     count = 0
     for name, op in FUNCTIONAL_OPS.items():
         current = getattr(funcol, name, None)
-        if current is None or hasattr(current, hooks._WRAPPED):
+        if current is None or hasattr(current, hooks.catalog._WRAPPED):
             continue
         setattr(funcol, name, _wrap_call(state, op, current, compiling))
         count += 1
     current = getattr(funcol, "wait_tensor", None)
-    if current is not None and not hasattr(current, hooks._WRAPPED):
+    if current is not None and not hasattr(current, hooks.catalog._WRAPPED):
         funcol.wait_tensor = _wrap_wait(state, current, compiling)
         count += 1
     _state = state

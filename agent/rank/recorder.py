@@ -168,7 +168,7 @@ class _Group:
         moved)."""
         self.counted: Any = None
         """What counts the backend ops of this group's calls, when the group's other traffic is
-        counted rather than recorded call by call (`hooks._DdpCount`): the wrappers let it read
+        counted rather than recorded call by call (`hooks.ddp._DdpCount`): the wrappers let it read
         the group's counter around each call they record. None for almost every group."""
 
     @property
@@ -447,9 +447,9 @@ class Recorder:
         collective, the hot path of most jobs): no lock (but at a group's first call) and no
         in-flight entry (`_Group`), about a third less. Pair it with `returned`, or with
         `end(token, False)` if the call raised. The hooks' one-tensor collective wrapper
-        (`hooks._Installer.wrap_collective`) does what `enter` and `returned` do inline, to save
-        the two calls: a change here is a change there (tests/agent/test_hot_path.py holds them
-        to the same records)."""
+        (`hooks.installer._Installer.wrap_collective`) does what `enter` and `returned` do
+        inline, to save the two calls: a change here is a change there
+        (tests/agent/test_hot_path.py holds them to the same records)."""
         now = _time_ns() if self.wall_clock else self.clock() * 1000
         # a new group is added under the lock: the heartbeat thread iterates the groups under it
         group = self._groups.get(group_name) or self.group_state(group_name)
@@ -490,7 +490,7 @@ class Recorder:
     def counted(self, group_name: str, op: str, entered: int, completed: int = -1, *,
                 entered_us: int = 0, relabel: bool = False) -> None:
         """Progress in a group seen by counting rather than call by call (DDP's own
-        communication, `hooks._DdpCount`; a backend's, `backend.BackendProgress`): `entered`
+        communication, `hooks.ddp._DdpCount`; a backend's, `backend.BackendProgress`): `entered`
         operations so far (the last at `entered_us`, or now), the first `completed` of them
         known complete (-1: no news). Neither goes back. The group's heartbeat shows `op`
         pending while entered > completed; with `relabel`, `op` also renames the latest one

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from tracehound.agent.node.procwatch import parse_environ
+from tracehound.agent.sources.procfs import parse_environ
 from tracehound.tracing import logs
 from tracehound.tracing.events import (
     CollectiveEvent,

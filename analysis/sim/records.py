@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from tracehound.analysis.clocks import clock_bucket_us, estimate_clocks
-from tracehound.analysis.detect import UNEVEN_OPS
 from tracehound.analysis.observation import HEALTH_LOOKBACK_S, Observation, window_health
+from tracehound.analysis.settings import UNEVEN_OPS
 from tracehound.analysis.sim.conditions import LAB, Conditions
 from tracehound.analysis.sim.engine import DTYPES, INF, OPS, Bools, Engine, Events
 from tracehound.analysis.sim.faults import (

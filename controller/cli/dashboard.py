@@ -70,7 +70,9 @@ def streamlit_command(args: argparse.Namespace) -> list[str]:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     from tracehound.controller.cli.session import resolve_store_url
+    from tracehound.controller.extras import require_extra
 
+    require_extra("ui", "streamlit", "altair", "pandas")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port}: expected a port number from 1 to 65535")
     if not args.refresh > 0:

@@ -11,6 +11,7 @@ The report compares what was injected with what was found, and times each phase.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -22,6 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracehound.controller.cli.options import (
+    detection_args,
+    own_ingest_token,
+    print_json,
+    store_arg,
+    supervisor_settings,
+)
 from tracehound.controller.cli.session import StoreSession, store_session
 from tracehound.controller.orchestrators.local import LocalOrchestrator
 from tracehound.controller.supervision.supervisor import (
@@ -226,3 +234,58 @@ def format_report(report: dict[str, Any]) -> str:
         f"  logs            {report['workdir']}/logs",
     ]
     return "\n".join(lines)
+
+
+EPILOG_DEMO = """\
+examples:
+  tracehound demo                        # SIGSTOP rank 3 mid-training, recover, report
+  tracehound demo --fault crash --rank 1 # SIGKILL rank 1 instead
+  tracehound demo --fault xid            # rank 3's (simulated) GPU falls off the bus
+  tracehound demo --json                 # one JSON object for scripts
+"""
+
+
+def add_parser(sub: Any) -> None:
+    demo = sub.add_parser(
+        "demo", help="inject a fault into a real 2x2-rank DDP job and recover it",
+        description="Run a real DDP job (2 nodes x 2 gloo ranks + 1 spare node), inject a fault "
+                    "from outside, and report what Tracehound found and how fast it recovered.",
+        epilog=EPILOG_DEMO, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--fault", choices=["hang", "crash", "xid"], default="hang",
+                      help="hang = SIGSTOP the rank, crash = SIGKILL it, xid = its simulated GPU "
+                           "reports Xid 79 (fallen off the bus) and the rank freezes "
+                           "(default: hang)")
+    demo.add_argument("--rank", type=int, default=3, help="rank to fault, 0-3 (default: 3)")
+    demo.add_argument("--fault-step", type=int, default=60,
+                      help="training step at which to inject (default: 60)")
+    demo.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
+    demo.add_argument("--job-id", help="job id (default: demo-<fault>-<time>)")
+    demo.add_argument("--workdir", type=Path, help="checkpoints, spools and logs (default: temp)")
+    detection_args(demo)
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    store_arg(demo)
+    demo.set_defaults(handler=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    with own_ingest_token():
+        return _demo(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tracehound.controller.cli.demo import demo_ok, format_report, run_demo
+
+    settings = supervisor_settings(args, poll_s=0.25, timeout_s=600)
+    if not args.json:
+        print(f"tracehound demo: 2 nodes x 2 ranks + 1 spare; {args.fault} of rank {args.rank} "
+              f"at step {args.fault_step} of {args.steps} ...", file=sys.stderr)
+    report = run_demo(
+        fault=args.fault, rank=args.rank, fault_step=args.fault_step, steps=args.steps,
+        store_url=args.store, workdir=args.workdir, settings=settings, job=args.job_id,
+    )
+    if args.json:
+        print_json(report)
+    else:
+        print(format_report(report))
+    return 0 if demo_ok(report) else 1

@@ -6,14 +6,17 @@ so a stored job gives the same verdict whenever it is diagnosed.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation, load_observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
+from tracehound.controller.cli.options import print_json, store_arg
 from tracehound.tracing.events import ActionKind, Incident
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import FOREVER_US, TraceStore
@@ -70,7 +73,9 @@ def diagnose_stored(
     if not attempts:
         return None
     # Stored data is complete: no exit is still in flight, so nothing needs to settle.
-    settings = dataclasses.replace(settings or DetectionSettings(), crash_settle_s=0.0)
+    settings = settings or DetectionSettings()
+    settings = dataclasses.replace(settings,
+                                   crash=dataclasses.replace(settings.crash, settle_s=0.0))
     candidates = [attempt] if attempt is not None else sorted(attempts, reverse=True)
     incidents = store.incidents(job)
     latest = _as_of_end(store, job, candidates[0], window_s, incidents)
@@ -103,3 +108,37 @@ def format_verdict(outcome: dict[str, Any]) -> str:
         lines.append("  evidence:")
         lines += [f"    - {e['detail']}" for e in outcome["evidence"]]
     return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> None:
+    diag = sub.add_parser(
+        "diagnose", help="explain a job's state from its stored traces",
+        description="Run the analysis over what the store holds for a job and print the verdict "
+                    "with its evidence. By default the latest attempt that shows a fault.",
+    )
+    diag.add_argument("--job", required=True, help="job id")
+    diag.add_argument("--attempt", type=int, help="attempt to diagnose (default: see above)")
+    diag.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    store_arg(diag)
+    diag.set_defaults(handler=cmd_diagnose)
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from tracehound.controller.cli.explain import diagnose_stored, format_verdict
+    from tracehound.controller.cli.session import resolve_store_url
+    from tracehound.tracing.store import open_store
+
+    store = open_store(resolve_store_url(args.store))
+    try:
+        outcome = diagnose_stored(store, JobId(args.job), args.attempt)
+    finally:
+        store.close()
+    if outcome is None:
+        print(f"tracehound diagnose: no traces of job {args.job!r} in this store",
+              file=sys.stderr)
+        return 1
+    if args.json:
+        print_json(outcome)
+    else:
+        print(format_verdict(outcome))
+    return 0

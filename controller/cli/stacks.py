@@ -42,8 +42,8 @@ from tracehound.agent.node.procwatch import (
     StackCaptureError,
     StackCapturer,
     find_py_spy,
-    parse_environ,
 )
+from tracehound.agent.sources.procfs import parse_environ
 from tracehound.tracing.events import Batch, Heartbeat, StackSample, now_us
 from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.settings import (

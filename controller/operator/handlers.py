@@ -31,18 +31,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tracehound.controller.alerts.delivery import Alert
-from tracehound.controller.operator.trainingjob import (
+from tracehound.controller.alerts import Alert
+from tracehound.controller.extras import require_extra
+from tracehound.controller.operator.trainingjob import SpecError, crd_yaml, read_spec
+from tracehound.controller.orchestrators import kubeobjects as ko
+from tracehound.controller.orchestrators.jobspec import (
     GROUP,
     KIND,
     PLURAL,
     VERSION,
-    SpecError,
     TrainingJobSpec,
-    crd_yaml,
-    read_spec,
 )
-from tracehound.controller.orchestrators import kubeobjects as ko
 from tracehound.controller.orchestrators.kubernetes import (
     KubernetesOrchestrator,
     delete_pod,
@@ -308,7 +307,7 @@ def build_registry(config: OperatorConfig) -> Any:
 
     dispatcher = None
     if config.alerts:
-        from tracehound.controller.alerts import delivery as alerts
+        from tracehound.controller import alerts
 
         receivers = alerts.merge_receivers(*((str(p), alerts.load_receivers(p))
                                              for p in config.alerts))
@@ -480,6 +479,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     if args.crd:
         sys.stdout.write(crd_yaml())
         return 0
+    require_extra("kubernetes", "kopf", "kubernetes")
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
-from tracehound.controller.operator.trainingjob import GROUP, KIND, VERSION, TrainingJobSpec
+from tracehound.controller.orchestrators.jobspec import GROUP, KIND, VERSION, TrainingJobSpec
 from tracehound.controller.orchestrators.port import AttemptPlan
 from tracehound.tracing import settings as env
 

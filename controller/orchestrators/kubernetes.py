@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tracehound.controller.operator.trainingjob import TrainingJobSpec
 from tracehound.controller.orchestrators import kubeobjects as ko
-from tracehound.controller.orchestrators.port import AttemptPlan
+from tracehound.controller.orchestrators.jobspec import TrainingJobSpec
+from tracehound.controller.orchestrators.port import AttemptPlan, Launched
 from tracehound.tracing.events import EXIT_UNKNOWN, RankExit, now_us
 from tracehound.tracing.ids import NodeId, Rank
 
@@ -146,7 +147,7 @@ class KubernetesOrchestrator:
                 raise
 
     # -- the port --------------------------------------------------------------------------------
-    def launch(self, plan: AttemptPlan) -> None:
+    def launch(self, plan: AttemptPlan) -> Launched:
         self._ensure_service()
         standby = {p.metadata.labels.get(ko.LABEL_NODE): p
                    for p in self._pods({ko.LABEL_JOB: self.resource, ko.LABEL_ROLE: "standby"})}
@@ -164,6 +165,15 @@ class KubernetesOrchestrator:
         log.info("job %s attempt %d: %d pods created on %s", plan.job, plan.attempt,
                  len(plan.nodes), ", ".join(plan.nodes))
         self._warm_spares(plan, standby)
+        return Launched(cold=plan.world_size)
+
+    def wait_exit(self, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Pods' ends are seen by polling them (`poll_exits`): this waits with `sleep`."""
+        sleep(timeout_s)
+        return False
+
+    def warm_up(self) -> None:
+        """Standby pods are kept from the launch on (`_warm_spares`): nothing more to do."""
 
     def _warm_spares(self, plan: AttemptPlan, standby: dict[str | None, Any]) -> None:
         spares = [n for n in self.pool if n not in plan.nodes and n not in self._isolated]

@@ -39,13 +39,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tracehound.controller.orchestrators.port import AttemptPlan
-from tracehound.controller.supervision.journal import write_atomic
+from tracehound.controller.journal import write_atomic
+from tracehound.controller.orchestrators.port import AttemptPlan, Launched
 from tracehound.tracing import settings as env
 from tracehound.tracing.events import EXIT_UNKNOWN, RankExit, now_us
 from tracehound.tracing.ids import JobId, NodeId, Rank
@@ -199,8 +199,6 @@ class LocalOrchestrator:
         self._spares_lock = threading.Lock()
         self._spare_timer: threading.Timer | None = None
         self._closed = False
-        self.last_launch: dict[str, float] = {}
-        """How the last launch went: `warm` and `cold` (ranks started each way), `seconds`."""
 
     # -- launching -------------------------------------------------------------------------
     def _start_agent(self, plan: AttemptPlan, node: NodeId, sockdir: Path | None = None) -> Path:
@@ -224,7 +222,7 @@ class LocalOrchestrator:
         self._agents[node] = proc
         return sock
 
-    def launch(self, plan: AttemptPlan) -> None:
+    def launch(self, plan: AttemptPlan) -> Launched:
         self._plan = plan
         self._attempt_sockdir = self._sockdir
         self._stopping = False
@@ -282,13 +280,14 @@ class LocalOrchestrator:
                 threading.Thread(
                     target=self._wait, args=(plan, proc), name=f"wait-rank-{rank}", daemon=True
                 ).start()
-        self.last_launch = {"warm": warm, "cold": cold, "seconds": time.monotonic() - started}
+        launched = Launched(warm=warm, cold=cold, seconds=time.monotonic() - started)
         self._write_pids(plan)
         JobLogger(log, job=plan.job).info(
             "attempt %d: started %d ranks on %s (%d from warm spares; logs in %s)",
             plan.attempt, world, ", ".join(plan.nodes), warm, logdir,
         )
         self._schedule_spares(plan)
+        return launched
 
     # -- warm spares -------------------------------------------------------------------------
     def _warm_script(self, plan: AttemptPlan) -> str | None:
@@ -551,9 +550,10 @@ class LocalOrchestrator:
             except queue.Empty:
                 return sorted(out, key=lambda e: e.time_us)
 
-    def wait_exit(self, timeout_s: float) -> bool:
+    def wait_exit(self, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> bool:
         """Wait up to `timeout_s` for a rank to exit (the supervisor's poll wakes at once on a
-        crash instead of at its next tick); True if one did since the last call."""
+        crash instead of at its next tick); True if one did since the last call. (The ranks'
+        exits wake it, so `sleep` is not used.)"""
         exited = self._exited.wait(timeout_s)
         self._exited.clear()
         return exited

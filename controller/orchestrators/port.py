@@ -1,13 +1,14 @@
 """The orchestrator port: whatever starts, watches and stops the ranks of a job.
 
-`controller.local.LocalOrchestrator` runs every "node" as a group of processes on this machine;
-a Kubernetes adapter (pods, cordons) implements the same port. The supervisor only ever speaks to
-this Protocol.
+`orchestrators.local.LocalOrchestrator` runs every "node" as a group of processes on this
+machine; `orchestrators.kubernetes.KubernetesOrchestrator` runs it as pods (and cordons nodes).
+The port declares every method the supervisor calls, and the supervisor only ever speaks to this
+Protocol; tests/controller/test_orchestrator_contract.py holds both adapters to it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,11 +43,33 @@ class AttemptPlan:
         }
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Launched:
+    """How an attempt's ranks were started: `warm` took the place of a waiting spare process
+    (torch already imported), `cold` were started afresh, in `seconds`."""
+
+    warm: int = 0
+    cold: int = 0
+    seconds: float = 0.0
+
+
 class Orchestrator(Protocol):
     """Starts the ranks of an attempt, reports how they end, and stops them."""
 
-    def launch(self, plan: AttemptPlan) -> None:
+    def launch(self, plan: AttemptPlan) -> Launched:
         """Start every rank of the attempt (and whatever per-node agents it needs)."""
+        ...
+
+    def wait_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> bool:
+        """Wait up to `timeout_s` for a rank to exit; True when one did since the last call
+        (`poll_exits` then returns it). An orchestrator that cannot be woken by an exit waits
+        with `sleep` (the supervisor's own, so that tests drive time) and returns False."""
+        ...
+
+    def warm_up(self) -> None:
+        """The attempt trains (every rank made its first step): prepare what would make the
+        next attempt start faster (warm spare processes); nothing where there is no such
+        thing."""
         ...
 
     def poll_exits(self) -> list[RankExit]:

@@ -31,12 +31,13 @@ from pathlib import Path
 
 import msgspec
 
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import load_observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot, snapshot_to_json
 from tracehound.analysis.verdict import Fact, Verdict
-from tracehound.controller.alerts.delivery import Alert, Status, alert_for
+from tracehound.controller.alerts import Alert, Status, alert_for
+from tracehound.controller.journal import JOURNAL_FILE, STORE_RETRY, Journal, Outbox
 from tracehound.controller.orchestrators.port import (
     AttemptPlan,
     NodePool,
@@ -64,7 +65,6 @@ from tracehound.controller.supervision.jobstate import (
     plan_to_json,
     read_history,
 )
-from tracehound.controller.supervision.journal import JOURNAL_FILE, STORE_RETRY, Journal, Outbox
 from tracehound.controller.supervision.restarts import (
     PendingRestart,
     RestartTiming,
@@ -334,12 +334,10 @@ class Supervisor:
         pending = self._pending_restart
         if pending is not None:
             pending.launch_begin_us = self.clock()
-        self.orch.launch(plan)
+        launched = self.orch.launch(plan)
         if pending is not None:
             pending.launch_end_us = self.clock()
-            launched = getattr(self.orch, "last_launch", {})
-            pending.warm = int(launched.get("warm", 0))
-            pending.cold = int(launched.get("cold", plan.world_size))
+            pending.warm, pending.cold = launched.warm, launched.cold
         self._set_state(JobPhase.RUNNING, plan.attempt, nodes=plan.nodes)
 
     # -- the job's state -------------------------------------------------------------------------
@@ -487,27 +485,22 @@ class Supervisor:
         timeout_us = (
             int(self.settings.timeout_s * 1e6) if self.settings.timeout_s is not None else None
         )
-        wait_exit = getattr(self.orch, "wait_exit", None)
         warmed = False
         trains_since_us = started_us  # its launch, until every rank's first step is seen
         settled_at_us: int | None = None
         """When the first failed exit has settled (the crash detector waits that long)."""
         while True:
-            exited = False
-            if wait_exit is not None:  # wake at once when a rank exits
-                wait_s = self.settings.poll_s
-                if settled_at_us is not None:  # and when its exits have settled
-                    wait_s = min(wait_s, max(0.0, (settled_at_us - self.clock()) / 1e6) + 0.005)
-                exited = bool(wait_exit(wait_s))
-            else:
-                self.sleep(self.settings.poll_s)
+            wait_s = self.settings.poll_s  # woken at once when a rank exits
+            if settled_at_us is not None:  # and when its exits have settled
+                wait_s = min(wait_s, max(0.0, (settled_at_us - self.clock()) / 1e6) + 0.005)
+            exited = self.orch.wait_exit(wait_s, self.sleep)
             for exit_ in self.orch.poll_exits():
                 self._record_exit(exit_)
                 if exit_.exit_code == 0:
                     clean.add(exit_.rank)
                 elif settled_at_us is None:
                     settled_at_us = exit_.time_us + int(
-                        self.settings.detection.crash_settle_s * 1e6)
+                        self.settings.detection.crash.settle_s * 1e6)
             if len(clean) == plan.world_size:
                 self._record_held(None)
                 self._measure_restart(plan, None)
@@ -529,7 +522,7 @@ class Supervisor:
                     self.store, job=plan.job, attempt=plan.attempt, now_us=now,
                     window_s=self.settings.window_s, expected_ranks=rank_nodes,
                     summaries=refresh, since_us=judged_from_us,
-                    uneven_ops=self.settings.detection.mismatch_size_exempt_ops,
+                    uneven_ops=self.settings.detection.mismatch.size_exempt_ops,
                 )
                 if refresh:
                     last_summaries_us = now
@@ -541,9 +534,7 @@ class Supervisor:
             if trained is not None:
                 warmed = True
                 trains_since_us = trained
-                warm_up = getattr(self.orch, "warm_up", None)
-                if warm_up is not None:  # spares for the next attempt, now that this one trains
-                    warm_up()
+                self.orch.warm_up()  # spares for the next attempt, now that this one trains
             if not exits_stored:
                 continue
             if self.observer is not None:

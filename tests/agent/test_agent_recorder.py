@@ -226,8 +226,8 @@ def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     return None
 
 
-def installer(rec: Recorder) -> hooks._Installer:
-    return hooks._Installer(rec, fake_dist(), lambda: None)
+def installer(rec: Recorder) -> hooks.installer._Installer:
+    return hooks.installer._Installer(rec, fake_dist(), lambda: None)
 
 
 def test_wrapper_records_synchronous_ops_per_group() -> None:
@@ -324,7 +324,8 @@ def test_a_tensor_subclass_dispatching_back_into_a_leaf_collective_counts_once()
             wrapped(tensor.as_subclass(torch.Tensor), op, group, async_op)
 
     # as torch's all_reduce is (it dispatches through its own global name)
-    wrapped = inst.wrap_collective(hooks._spec("all_reduce", all_reduce), all_reduce, leaf=True)
+    wrapped = inst.wrap_collective(hooks.catalog._spec("all_reduce", all_reduce), all_reduce,
+                                   leaf=True)
     wrapped(torch.zeros(2).as_subclass(Sub))
     wrapped(torch.zeros(2))
     events = sink.of(CollectiveEvent)
@@ -334,11 +335,11 @@ def test_a_tensor_subclass_dispatching_back_into_a_leaf_collective_counts_once()
 def test_leaf_collectives_are_told_from_those_that_call_others() -> None:
     """`_is_leaf` on torch's own functions (through their logging decorators) and on closures."""
     c10d = torch.distributed.distributed_c10d
-    assert hooks._is_leaf(c10d.all_reduce)
-    assert hooks._is_leaf(c10d.barrier)
+    assert hooks.wrappers._is_leaf(c10d.all_reduce)
+    assert hooks.wrappers._is_leaf(c10d.barrier)
     for calls_others in (c10d.all_gather_object, c10d.broadcast_object_list, c10d.send,
                          c10d._all_gather_base, c10d.reduce_scatter_tensor):
-        assert not hooks._is_leaf(calls_others), calls_others
+        assert not hooks.wrappers._is_leaf(calls_others), calls_others
     inner = installer(make()).wrap("all_reduce", all_reduce)
 
     def closes_over_a_wrapped_one(group: Any = None) -> None:
@@ -347,8 +348,8 @@ def test_leaf_collectives_are_told_from_those_that_call_others() -> None:
     def calls_a_helper_that_does(group: Any = None) -> None:
         closes_over_a_wrapped_one(group)
 
-    assert not hooks._is_leaf(closes_over_a_wrapped_one)
-    assert not hooks._is_leaf(calls_a_helper_that_does)
+    assert not hooks.wrappers._is_leaf(closes_over_a_wrapped_one)
+    assert not hooks.wrappers._is_leaf(calls_a_helper_that_does)
 
 
 class _Work:
@@ -388,7 +389,7 @@ def test_ddp_buckets_end_when_seen_completed_in_order() -> None:
     sink = FakeSink()
     rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=clock)
     works = [_Work(), _Work(), _Work(RuntimeError("Connection closed by peer"))]
-    reducer = hooks._Reducer(_Inner(list(works)), "0", rec)
+    reducer = hooks.ddp._Reducer(_Inner(list(works)), "0", rec)
     rec.add_settler(reducer.settle)
     optimizer = object()
     bucket = [torch.zeros(4)]
@@ -420,7 +421,7 @@ def test_ddp_settling_on_two_threads_at_once_ends_each_bucket_once() -> None:
     sink = FakeSink()
     rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=FakeClock())
     works = [_Work(), _Work()]
-    reducer = hooks._Reducer(_Inner(list(works)), "0", rec)
+    reducer = hooks.ddp._Reducer(_Inner(list(works)), "0", rec)
     reducer.allreduce([torch.zeros(4)], None)
     works[0].done = True
     with reducer.settling:  # the other thread is settling
@@ -439,7 +440,7 @@ def test_the_heartbeat_thread_settles_ddp_buckets_while_the_model_lives() -> Non
     sink = FakeSink()
     rec = Recorder(job="j", attempt=0, node="n", rank=0, sink=sink, clock=FakeClock())
     work = _Work()
-    reducer = hooks._Reducer(_Inner([work]), "0", rec)
+    reducer = hooks.ddp._Reducer(_Inner([work]), "0", rec)
     rec.add_settler(reducer.settle)
     reducer.allreduce([torch.zeros(4)], None)
     rec.poll()

@@ -77,7 +77,7 @@ def test_by_default_a_python_comm_hook_is_recorded_and_ddp_own_buckets_counted(
 def test_ddp_steps_left_unrecorded_are_counted_and_show_who_lags(tmp_path: Path) -> None:
     """With TRACEHOUND_DDP_TRACE_EVERY=4 (and every counted step recorded,
     TRACEHOUND_DDP_SPAN_S=0) DDP's own communication is counted in the group
-    `0:ddp` (hooks._DdpCount) on every step: the same count on every rank in spite of the
+    `0:ddp` (hooks.ddp._DdpCount) on every step: the same count on every rank in spite of the
     program's own calls on DDP's group (an object collective, uneven point-to-point). In
     heartbeats, while the last rank is busy outside collectives, the others are inside the
     group's next op and the busy rank behind, not inside; each step is one recorded `ddp_comm`

@@ -1,4 +1,4 @@
-"""A counted DDP group's heartbeat count (`hooks._DdpCount.seen`, on the heartbeat thread) never
+"""A counted DDP group's heartbeat count (`hooks.ddp._DdpCount.seen`, on the heartbeat thread) never
 takes in the op of a call the wrappers recorded (a Python comm hook's `dist.all_reduce`): such a
 call's op is the user's, not DDP's, and a count once reported never goes back. And it ends at
 the group's last op: destroying the group counts what the heartbeat thread had not seen yet.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracehound.agent.rank.hooks import _DdpCount
+from tracehound.agent.rank.hooks.ddp import _DdpCount
 
 
 class Recorder:

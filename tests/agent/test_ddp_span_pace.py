@@ -1,4 +1,4 @@
-"""How often a counted DDP group records its steps (`hooks._DdpCount`, TRACEHOUND_DDP_SPAN_S):
+"""How often a counted DDP group records its steps (`hooks.ddp._DdpCount`, TRACEHOUND_DDP_SPAN_S):
 the counting driven step by step on a clock of the test's, as the forward and step hooks of a
 training process drive it."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tracehound.agent.rank import autoinstall
-from tracehound.agent.rank.hooks import _DdpCount
+from tracehound.agent.rank.hooks.ddp import _DdpCount
 from tracehound.tracing.settings import SettingError
 
 

@@ -30,7 +30,7 @@ def wrapped_all_reduce(recorder: Recorder, inside: Callable[..., None] = lambda 
     """all_reduce's wrapper from the real installer, around a stand-in that calls `inside`
     with what it was given. With all_reduce's signature the wrapper takes the same parameters;
     a stand-in that also takes `*rest` gets the wrapper that reads them from `*args,
-    **kwargs` (the same body: `hooks._collective_source`)."""
+    **kwargs` (the same body: `hooks.wrappers._collective_source`)."""
     if header == HEADERS[0]:
         def stand_in(*args: Any, **kwargs: Any) -> None:
             inside(*args, **kwargs)
@@ -41,11 +41,11 @@ def wrapped_all_reduce(recorder: Recorder, inside: Callable[..., None] = lambda 
                      group: Any = None, async_op: bool = False, *rest: Any) -> None:
             inside(tensor, op, group, async_op, *rest)
 
-    installer = hooks._Installer(recorder, dist, on_group=lambda: None)
+    installer = hooks.installer._Installer(recorder, dist, on_group=lambda: None)
     installer.groups.default = (object(), "0")
-    spec = hooks._spec("all_reduce", stand_in)
+    spec = hooks.catalog._spec("all_reduce", stand_in)
     wrapper = installer.wrap_collective(spec, stand_in, leaf=True)
-    source = hooks._collective_source(stand_in, spec, {}, leaf=True, wall_clock=False)
+    source = hooks.wrappers._collective_source(stand_in, spec, {}, leaf=True, wall_clock=False)
     assert source.startswith("def wrapper(*args" if header == HEADERS[1] else "def wrapper(tensor")
     return wrapper
 

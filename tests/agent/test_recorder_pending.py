@@ -94,7 +94,7 @@ def test_a_full_in_flight_table_is_pruned_only_after_progress() -> None:
 
 
 def test_a_counted_group_reports_what_was_entered_and_completed_never_going_back() -> None:
-    """`Recorder.counted` (DDP's own communication, hooks._DdpCount): pending while more was
+    """`Recorder.counted` (DDP's own communication, hooks.ddp._DdpCount): pending while more was
     entered than is known complete, since when it was entered; neither count goes back;
     `record_span` records a completed operation of it."""
     sink = Sink()

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tracehound.analysis.clocks import NO_CLOCKS, clock_bucket_us, estimate_clocks
-from tracehound.analysis.detect import DetectionSettings, detect_crash
+from tracehound.analysis.detect import detect_crash
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.sim import reference
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Fact

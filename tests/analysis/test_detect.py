@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tracehound.analysis import diagnose_observation as diagnose
 from tracehound.analysis.confidence import CERTAIN, STRONG, WEAK
-from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang
+from tracehound.analysis.detect import detect_crash, detect_hang
+from tracehound.analysis.settings import CrashSettings, DetectionSettings, HangSettings
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import GroupProgress, Heartbeat, IncidentKind, RankExit
@@ -12,7 +13,8 @@ from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 
 S = 1_000_000
 T0 = 1_700_000_000 * S
-SETTINGS = DetectionSettings(hang_after_s=5.0, heartbeat_timeout_s=2.5, crash_settle_s=0.3)
+SETTINGS = DetectionSettings(hang=HangSettings(after_s=5.0, heartbeat_timeout_s=2.5),
+                             crash=CrashSettings(settle_s=0.3))
 
 
 def node_of(rank: int) -> str:

@@ -20,8 +20,9 @@ from observation_builders import (
     snapshot,
 )
 
-from tracehound.analysis.detect import DetectionSettings, detect_crash, detect_hang
+from tracehound.analysis.detect import detect_crash, detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import HealthSeverity, IncidentKind, RankExit
@@ -99,8 +100,8 @@ def test_a_crash_says_where_the_rank_was_in_its_collectives() -> None:
 def _reference_roots(snap: JobSnapshot, settings: DetectionSettings) -> set[int]:
     """The original edge-by-edge construction (O(ranks x group size x groups))."""
     beats = {int(hb.rank): hb for hb in snap.heartbeats}
-    hang_us = int(settings.hang_after_s * S)
-    silent_after = snap.now_us - int(settings.heartbeat_timeout_s * S)
+    hang_us = int(settings.hang.after_s * S)
+    silent_after = snap.now_us - int(settings.hang.heartbeat_timeout_s * S)
     members: dict[str, set[int]] = defaultdict(set)
     for info in snap.groups:
         members[info.group].update(info.ranks)

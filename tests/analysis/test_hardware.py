@@ -9,7 +9,7 @@ from observation_builders import S, arrivals, beat, groups, health, observe, pro
 
 from tracehound.analysis.common import collective_groups, group_members
 from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, WEAK, nudged
-from tracehound.analysis.detect import DetectionSettings, detect_hang
+from tracehound.analysis.detect import detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.hardware import (
     RELEVANCE,
@@ -23,6 +23,7 @@ from tracehound.analysis.hardware import (
     with_health_evidence,
 )
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings, HardwareSettings
 from tracehound.analysis.straggler import detect_straggler
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import HealthSeverity, IncidentKind, RankExit
@@ -110,7 +111,8 @@ def test_ranks_drive_the_gpu_of_their_index_on_an_aligned_node() -> None:
     partial = replace(snap, expected_ranks={r: n for r, n in snap.expected_ranks.items()
                                             if r != 8})
     assert 9 not in rank_gpus(partial, SETTINGS) and rank_gpus(partial, SETTINGS)[17] == 1
-    assert rank_gpus(snap, DetectionSettings(health_gpu_by_local_rank=False)) == {}
+    by_node = DetectionSettings(hardware=HardwareSettings(health_gpu_by_local_rank=False))
+    assert rank_gpus(snap, by_node) == {}
 
 
 # -- stragglers ---------------------------------------------------------------------------------
@@ -214,7 +216,7 @@ def test_a_node_level_match_costs_one_notch() -> None:
     assert host is not None and host.confidence == nudged(STRONG, -1)
     unmapped = correlate_hardware(straggler,
                                   with_health(("node-2", "throttle", WARNING, "gpu5")),
-                                  DetectionSettings(health_gpu_by_local_rank=False))
+                                  DetectionSettings(hardware=HardwareSettings(health_gpu_by_local_rank=False)))
     assert unmapped is not None and unmapped.confidence == nudged(STRONG, -1)
     assert unmapped.culprit_ranks == (17,)
     critical = correlate_hardware(straggler,

@@ -9,10 +9,10 @@ from observation_builders import T0, S, arrivals, groups, links, observe, snapsh
 from played_jobs import megatron
 
 from tracehound.analysis.confidence import STRONG, WEAK
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.links import detect_slow_link
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings, StragglerSettings
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import IncidentKind
 from tracehound.tracing.summaries import LinkStats, RankStats
@@ -174,7 +174,8 @@ def test_a_slow_gpu_s_transfers_are_left_to_the_straggler(seed: int) -> None:
     # Rank 21 computes twice as long and its transfers take twice as long (its kernels start
     # late): its links alone would make a slow link between it and its pipeline neighbour.
     obs = megatron(slow={21: 2.0}, slow_kernels=True, seed=seed)
-    alone = DetectionSettings(straggler_min_excess=100.0)  # no rank counts as slow computing
+    # no rank counts as slow computing
+    alone = DetectionSettings(straggler=StragglerSettings(min_excess=100.0))
     blind = detect_slow_link(obs, alone)
     assert blind is not None and 21 in blind.culprit_ranks
     assert detect_slow_link(obs, SETTINGS) is None

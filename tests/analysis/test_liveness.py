@@ -12,14 +12,16 @@ from dataclasses import replace
 import msgspec
 from observation_builders import T0, S, beat, node_of, progress, snapshot, stack
 
-from tracehound.analysis.detect import DetectionSettings, detect_hang
+from tracehound.analysis.detect import detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import IncidentKind, ProcessSample
 from tracehound.tracing.ids import JobId, NodeId, Rank
 
-SETTINGS = DetectionSettings(hang_after_s=5.0, heartbeat_timeout_s=2.5, busy_grace_s=600.0)
+SETTINGS = DetectionSettings(
+    hang=HangSettings(after_s=5.0, heartbeat_timeout_s=2.5, busy_grace_s=600.0))
 NOW = T0 + 100 * S
 PAIR = "0:p2p:1-3"
 
@@ -161,7 +163,8 @@ def test_a_busy_rank_past_the_grace_is_a_hang_that_does_not_implicate_the_machin
     assert verdict.basis is Basis.BUSY_TIMEOUT
     assert verdict.culprit_ranks == (0,)
     assert "past the 600 s grace" in verdict.summary
-    shorter = detect_hang(snapshot(NOW, 4, beats), replace(SETTINGS, busy_grace_s=900.0))
+    longer_grace = replace(SETTINGS, hang=replace(SETTINGS.hang, busy_grace_s=900.0))
+    shorter = detect_hang(snapshot(NOW, 4, beats), longer_grace)
     assert shorter is not None and shorter.kind is IncidentKind.STALL
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from observation_builders import T0, S, beat, observe, progress, snapshot
 
 from tracehound.analysis.confidence import CERTAIN, LIKELY, STRONG, WEAK
-from tracehound.analysis.detect import DetectionSettings, detect_hang
+from tracehound.analysis.detect import detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.mismatch import detect_mismatch
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import IncidentKind
 from tracehound.tracing.summaries import Disagreement

@@ -7,9 +7,9 @@ import msgspec
 from observation_builders import T0, S, beat, observe, progress, snapshot
 
 from tracehound.analysis.confidence import CERTAIN, WEAK
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.mismatch import detect_mismatch
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.verdict import Fact, Verdict
 from tracehound.tracing.events import Heartbeat, IncidentKind
 from tracehound.tracing.summaries import Disagreement

@@ -6,8 +6,8 @@ import numpy as np
 from observation_builders import T0, S, arrivals, groups, node_of, observe, snapshot
 
 from tracehound.analysis.confidence import LIKELY
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.outliers import detect_node_outliers, outlier_nodes
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import IncidentKind
 from tracehound.tracing.summaries import NodeWindows

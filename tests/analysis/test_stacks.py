@@ -7,8 +7,8 @@ from dataclasses import replace
 from observation_builders import T0, S, beat, observe, progress, snapshot, stack
 
 from tracehound.analysis.confidence import LIKELY, STRONG, UNSURE, between
-from tracehound.analysis.detect import DetectionSettings
 from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.stacks import detect_silent_hang, throughput_collapse
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import IncidentKind
@@ -91,7 +91,7 @@ def test_a_collapse_of_throughput_without_pending_collectives_waits_for_the_busy
     assert diagnose_observation(observe(snapshot(NOW, 16, beats), stacks=stacks),
                                 SETTINGS) is None
     # Past the grace, the stacks judge it.
-    short = replace(SETTINGS, busy_grace_s=20.0)
+    short = replace(SETTINGS, hang=replace(SETTINGS.hang, busy_grace_s=20.0))
     assert throughput_collapse(snapshot(NOW, 16, beats), short) == (
         "the median rank has finished no step for 29.8 s (a step took 0.50 s before)")
     verdict = diagnose_observation(observe(snapshot(NOW, 16, beats), stacks=stacks), short)

@@ -9,16 +9,18 @@ from dataclasses import replace
 
 from observation_builders import T0, S, beat, node_of, progress, snapshot, stack
 
-from tracehound.analysis.detect import DetectionSettings, detect_hang
+from tracehound.analysis.detect import detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.liveness import collective_wait
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.analysis.standstill import detect_standstill
 from tracehound.analysis.verdict import Basis, Fact
 from tracehound.tracing.events import IncidentKind, ProcessSample, RankExit
 from tracehound.tracing.ids import JobId, NodeId, Rank
 
-SETTINGS = DetectionSettings(hang_after_s=5.0, heartbeat_timeout_s=2.5, busy_grace_s=600.0)
+SETTINGS = DetectionSettings(
+    hang=HangSettings(after_s=5.0, heartbeat_timeout_s=2.5, busy_grace_s=600.0))
 NOW = T0 + 1000 * S
 
 FUNCOL = "torch/distributed/_functional_collectives.py"

@@ -19,9 +19,10 @@ from played_jobs import ddp, layout, megatron
 
 from tracehound.analysis.common import peer_floor, peer_median, role_groups, typical_step_us
 from tracehound.analysis.confidence import LIKELY, WEAK
-from tracehound.analysis.detect import DetectionSettings, detect_hang
+from tracehound.analysis.detect import detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.sim import simulate
 from tracehound.analysis.straggler import detect_straggler
 from tracehound.analysis.verdict import Basis, Fact
@@ -172,9 +173,9 @@ def test_a_fraction_of_a_second_of_work_is_not_judged() -> None:
     # three 100 ms steps (27 collectives) are not judged, four (0.55 s) are
     short = ddp(slow={5: 1.5}, steps=3, step_us=100_000.0, seed=1)
     assert short.ranks is not None and short.ranks.active_us is not None
-    assert float(short.ranks.active_us.max()) < SETTINGS.straggler_min_active_us
+    assert float(short.ranks.active_us.max()) < SETTINGS.straggler.min_active_us
     assert detect_straggler(short, SETTINGS) is None
-    unguarded = replace(SETTINGS, straggler_min_active_us=0.0)
+    unguarded = replace(SETTINGS, straggler=replace(SETTINGS.straggler, min_active_us=0.0))
     assert detect_straggler(short, unguarded) is not None  # what the minimum holds back
     verdict = detect_straggler(ddp(slow={5: 1.5}, steps=4, step_us=100_000.0, seed=1), SETTINGS)
     assert verdict is not None and verdict.culprit_ranks == (5,)

@@ -10,7 +10,7 @@ import pytest
 from chart_harness import Rendered, containers, env_of, pod_specs, resolved_env
 
 from tracehound.agent.node.daemon import parse_args
-from tracehound.controller.alerts.delivery import load_receivers
+from tracehound.controller.alerts import load_receivers
 from tracehound.controller.orchestrators.kubeobjects import AGENT_UID, restricted_security_context
 
 STORE_URL = "clickhouse://default:@clickhouse:9000/tracehound"

@@ -10,7 +10,7 @@ from typing import Any
 
 from chart_harness import NAMESPACE, Rendered
 
-from tracehound.controller.operator.trainingjob import GROUP, PLURAL
+from tracehound.controller.orchestrators.jobspec import GROUP, PLURAL
 
 Grants = dict[tuple[str, str], set[str]]
 

@@ -26,7 +26,7 @@ from kmock._internal import apps
 from kubernetes import client
 
 from tracehound.controller.operator.handlers import OperatorConfig, run_operator
-from tracehound.controller.operator.trainingjob import GROUP, KIND, PLURAL, VERSION
+from tracehound.controller.orchestrators.jobspec import GROUP, KIND, PLURAL, VERSION
 
 T = TypeVar("T")
 

@@ -4,9 +4,10 @@ are queued by the test) and a clock whose sleep only moves it forward."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tracehound.controller.orchestrators.port import AttemptPlan
+from tracehound.controller.orchestrators.port import AttemptPlan, Launched
 from tracehound.tracing.events import GroupProgress, Heartbeat, RankExit
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 
@@ -24,10 +25,19 @@ class ScriptedOrchestrator:
     finished: int = 0
     isolated: list[str] = field(default_factory=list)
     closed: bool = False
+    warmed: int = 0
 
-    def launch(self, plan: AttemptPlan) -> None:
+    def launch(self, plan: AttemptPlan) -> Launched:
         self.plans.append(plan)
         self.launched_at.append(time.time())
+        return Launched(cold=plan.world_size)
+
+    def wait_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> bool:
+        sleep(timeout_s)
+        return False
+
+    def warm_up(self) -> None:
+        self.warmed += 1
 
     def poll_exits(self) -> list[RankExit]:
         out, self.exits = self.exits, []

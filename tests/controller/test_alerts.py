@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tracehound.controller.alerts.delivery import (
+from tracehound.controller.alerts import (
     ACTIONS_JOURNAL,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,

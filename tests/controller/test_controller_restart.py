@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from supervisor_fakes import Clock, S, heartbeat
 
-from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.controller.cli.status import format_status, job_status
-from tracehound.controller.orchestrators.port import AttemptPlan
+from tracehound.controller.orchestrators.port import AttemptPlan, Launched
 from tracehound.controller.supervision.jobstate import read_history
 from tracehound.controller.supervision.supervisor import (
     JobSpec,
@@ -71,12 +71,20 @@ class Orch:
     exits: list[RankExit] = field(default_factory=list)
     killed: bool = False
 
-    def launch(self, plan: AttemptPlan) -> None:
+    def launch(self, plan: AttemptPlan) -> Launched:
         self.world.launches.append(plan.attempt)
         self.world.running[plan.attempt] = plan
         self.current = plan
         if self.on_launch is not None:
             self.on_launch(plan)
+        return Launched(cold=plan.world_size)
+
+    def wait_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> bool:
+        sleep(timeout_s)
+        return False
+
+    def warm_up(self) -> None:
+        pass
 
     def adopt(self, plan: AttemptPlan) -> bool:
         found = self.world.running.get(plan.attempt)
@@ -153,7 +161,8 @@ def controller(store: TraceStore, tmp_path: Path, clock: Clock, ranks: Ranks, or
     sup = Supervisor(
         spec=SPEC, store=store, orchestrator=orch, clock=clock, sleep=clock.sleep,
         observer=lambda view: ranks(view, orch),
-        settings=SupervisorSettings(poll_s=0.5, detection=DetectionSettings(hang_after_s=5.0)),
+        settings=SupervisorSettings(
+            poll_s=0.5, detection=DetectionSettings(hang=HangSettings(after_s=5.0))),
         journal_path=tmp_path / "journal.jsonl",
     )
     if kill is not None:

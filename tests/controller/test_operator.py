@@ -21,7 +21,7 @@ import yaml
 from kube_harness import Cluster, Emulator, config, operator, wait_for
 from supervisor_fakes import S, heartbeat
 
-from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.controller.operator.handlers import job_id
 from tracehound.controller.orchestrators import kubeobjects as ko
 from tracehound.controller.orchestrators.kubernetes import TAINT_KEY
@@ -40,7 +40,8 @@ SPEC: dict[str, Any] = {
     "nodeSelector": {"pool": "gpu"},
     "checkpointDir": "/ckpt",
 }
-SETTINGS = SupervisorSettings(poll_s=0.2, detection=DetectionSettings(hang_after_s=2.0))
+SETTINGS = SupervisorSettings(poll_s=0.2,
+                              detection=DetectionSettings(hang=HangSettings(after_s=2.0)))
 
 
 @pytest.fixture

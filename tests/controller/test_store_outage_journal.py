@@ -23,8 +23,8 @@ import pytest
 from clickhouse_harness import RunningServer, start_server
 from supervisor_fakes import Clock, S, ScriptedOrchestrator
 
+from tracehound.controller.journal import Journal, from_json, to_json
 from tracehound.controller.policy.recovery import PolicySettings
-from tracehound.controller.supervision.journal import Journal, from_json, to_json
 from tracehound.controller.supervision.supervisor import (
     JobSpec,
     PollView,

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 from supervisor_fakes import Clock, S, ScriptedOrchestrator, heartbeat
 
-from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.analysis.snapshot import snapshot_from_json
-from tracehound.controller.alerts.delivery import Alert
+from tracehound.controller.alerts import Alert
 from tracehound.controller.policy.recovery import PolicySettings
 from tracehound.controller.supervision.restarts import PHASES
 from tracehound.controller.supervision.supervisor import (
@@ -69,7 +69,8 @@ def test_hang_is_recorded_isolated_and_restarted_on_the_spare(
         spec=JobSpec(job=JOB, command=("python", "train.py"), nnodes=2, nproc_per_node=2,
                      spare_nodes=1),
         store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
-        settings=SupervisorSettings(poll_s=0.5, detection=DetectionSettings(hang_after_s=5.0)),
+        settings=SupervisorSettings(
+            poll_s=0.5, detection=DetectionSettings(hang=HangSettings(after_s=5.0))),
         evidence_dir=tmp_path, notify=alerts.append,
     )
     result = sup.run()
@@ -181,8 +182,9 @@ def test_a_stall_waits_for_a_stack_of_its_rank_taken_since_the_peers_began_to_wa
     sup = Supervisor(
         spec=JobSpec(job=JOB, command=("python", "train.py"), nnodes=2, nproc_per_node=2),
         store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
-        settings=SupervisorSettings(poll_s=0.5, detection=DetectionSettings(hang_after_s=5.0),
-                                    stall_stack_wait_s=10.0),
+        settings=SupervisorSettings(
+            poll_s=0.5, detection=DetectionSettings(hang=HangSettings(after_s=5.0)),
+            stall_stack_wait_s=10.0),
         evidence_dir=tmp_path,
     )
     result = sup.run()

@@ -77,8 +77,8 @@ def test_a_restart_hands_its_ranks_to_warm_spares(tmp_path: Path) -> None:
                                nproc_per_node=2,
                                command=(sys.executable, str(script), "--lr", "0.1"))
 
-        orch.launch(plan(0))
-        assert orch.last_launch["cold"] == 2 and orch.last_launch["warm"] == 0
+        first = orch.launch(plan(0))
+        assert (first.cold, first.warm) == (2, 0)
         assert _exits(orch, 2) == {0: 0, 1: 3}
         orch.finish()
         # the spares for the next attempt, started right after the first launch
@@ -87,8 +87,8 @@ def test_a_restart_hands_its_ranks_to_warm_spares(tmp_path: Path) -> None:
         while time.monotonic() < deadline and sum(
                 "waiting for a rank" in p.read_text() for p in logs.glob("*.log")) < 2:
             time.sleep(0.1)
-        orch.launch(plan(1))
-        assert orch.last_launch["warm"] == 2 and orch.last_launch["cold"] == 0
+        second = orch.launch(plan(1))
+        assert (second.warm, second.cold) == (2, 0)
         assert _exits(orch, 2) == {0: 0, 1: 3}  # the script's own exit status, rank by rank
         orch.finish()
     finally:

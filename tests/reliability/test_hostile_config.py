@@ -23,8 +23,9 @@ import yaml  # type: ignore[import-untyped]
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tracehound.controller.alerts.delivery import AlertConfigError, load_receivers
-from tracehound.controller.operator.trainingjob import SpecError, TrainingJobSpec, read_spec
+from tracehound.controller.alerts import AlertConfigError, load_receivers
+from tracehound.controller.operator.trainingjob import SpecError, read_spec
+from tracehound.controller.orchestrators.jobspec import TrainingJobSpec
 from tracehound.controller.policy.file import (
     EXAMPLE,
     KINDS,

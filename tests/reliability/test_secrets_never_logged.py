@@ -45,7 +45,7 @@ from typing import Any
 import clickhouse_harness
 import pytest
 
-from tracehound.controller.alerts.delivery import (
+from tracehound.controller.alerts import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     verify_signature,

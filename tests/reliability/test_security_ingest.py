@@ -124,7 +124,7 @@ def test_a_loopback_endpoint_without_a_token_takes_local_callers(embedded: Trace
 
 def test_run_and_demo_give_their_loopback_endpoint_a_token_of_their_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from tracehound.controller.cli.main import own_ingest_token
+    from tracehound.controller.cli.options import own_ingest_token
 
     # set, then removed: the test's end restores the variable's state from before it
     monkeypatch.setenv("TRACEHOUND_INGEST_TOKEN", "")

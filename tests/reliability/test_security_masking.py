@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tracehound.agent.node.daemon import make_sink
-from tracehound.controller.alerts.delivery import shown_url
+from tracehound.controller.alerts import shown_url
 from tracehound.tracing.errors import StoreConfigError
 from tracehound.tracing.store import open_store
 

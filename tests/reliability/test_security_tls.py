@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tracehound.controller.alerts.delivery import (
+from tracehound.controller.alerts import (
     Alert,
     AlertConfigError,
     Dispatcher,

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 from summary_data import T0, Case, Row, columns
 
-from tracehound.analysis.detect import DetectionSettings
+from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.sim import reference
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore
 from tracehound.tracing.summaries import Disagreement, Disagreements
 
 JOB = JobId("job-d")
-UNEVEN = DetectionSettings().mismatch_size_exempt_ops
+UNEVEN = DetectionSettings().mismatch.size_exempt_ops
 
 
 def member(rank: int, group: str, seq: int, *, op: str = "all_reduce", nbytes: int = 4096,

@@ -1,4 +1,7 @@
-"""The supervisor's durable journal: incidents, actions and rank exits on their way to the store.
+"""The controller's durable journal: incidents, actions and rank exits on their way to the store.
+
+It sits below everyone who writes to the store from the controller: the supervisor, alert
+recording (`controller.alerts`) and the local orchestrator's durable files (`write_atomic`).
 
 The supervisor writes to the store what it saw (rank exits) and what it did (incidents and their
 actions). A store outage must not lose any of them, however long it lasts, and must not store any
