@@ -1,5 +1,11 @@
-"""Fixtures shared by the whole test suite: a real ClickHouse server, and store URLs for both
-trace store adapters (the server one also in cluster mode).
+"""Fixtures shared by the whole test suite: a real ClickHouse server, store URLs for both trace
+store adapters (the server one also in cluster mode), and the guard of the `e2e` marker.
+
+`make test` runs two lanes at once: every test not marked `e2e` in parallel (pytest-xdist), and
+the `e2e` tests, which start real training processes or servers, one at a time beside them. A
+test that starts a training job, a node agent, the dashboard's server or a browser without the
+marker fails at once, naming what it started (`_e2e_processes_are_marked`), so that none lands
+in the parallel lane by mistake.
 
 The server comes from `tests/clickhouse_harness.py` (Debian's clickhouse-server, started once per
 session in a temp dir) unless TRACEHOUND_TEST_CLICKHOUSE_URL names a running one. The harness's
@@ -10,6 +16,8 @@ used in cluster mode only if it defines a cluster of that name.
 from __future__ import annotations
 
 import os
+import shlex
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -25,6 +33,49 @@ from clickhouse_harness import TEST_CLUSTER, start_server
 from tracehound.tracing.store import TraceStore, open_store
 
 CLICKHOUSE_URL_ENV = "TRACEHOUND_TEST_CLICKHOUSE_URL"
+
+E2E_PROGRAMS = ("torchrun", "chromium", "streamlit", "tracehound.agent.node",
+                "tracehound.agent.rank.warmspare", "coverage_job.py", "busy_train.py",
+                "torchrun_job.py", "train_ddp.py", "train_sharded.py", "overhead_job.py")
+"""What only an `e2e` test may start: training jobs, node agents, warm spares, the dashboard's
+server, a browser."""
+E2E_COMMANDS = ("run", "demo", "instrument", "agent", "ui", "operator")
+"""`tracehound` commands that start such processes (the others only read or write a store)."""
+
+
+def starts_e2e_process(argv: object) -> str:
+    """What in a command line only an `e2e` test may start ("" when nothing)."""
+    words = shlex.split(argv) if isinstance(argv, str) else [str(w) for w in argv]  # type: ignore[attr-defined]
+    if "--help" in words or "-h" in words:
+        return ""
+    for word in words:
+        if any(word == p or word.endswith(("/" + p, p)) for p in E2E_PROGRAMS):
+            return word
+    for i, word in enumerate(words):
+        if word.endswith("tracehound.controller.cli") or word.endswith("/tracehound"):
+            rest = [w for w in words[i + 1:] if not w.startswith("-")]
+            if rest and rest[0] in E2E_COMMANDS:
+                return f"tracehound {rest[0]}"
+    return ""
+
+
+@pytest.fixture(autouse=True)
+def _e2e_processes_are_marked(request: pytest.FixtureRequest,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    original = subprocess.Popen
+    test = request.node.nodeid
+
+    class Guarded(original):  # type: ignore[valid-type, misc]
+        def __init__(self, args: object, *rest: object, **kwargs: object) -> None:
+            started = starts_e2e_process(args)
+            if started:
+                raise RuntimeError(f"{test} starts {started}: mark it @pytest.mark.e2e (it runs "
+                                   "in the serial lane of `make test`)")
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Guarded)
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ def run_traced(tmp_path: Path, ingest: CollectingIngest, *, args: list[str], att
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("every", ["0", "1"])
 def test_ddp_job_is_traced_end_to_end(tmp_path: Path, every: str) -> None:
     """With TRACEHOUND_DDP_TRACE_EVERY 0 (the default) DDP's gradient all-reduces are counted in
@@ -122,7 +122,7 @@ def test_latest_complete_skips_incomplete_checkpoints(tmp_path: Path) -> None:
     assert latest_complete(tmp_path) == (10, step_path(tmp_path, 10))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_checkpoints_resume_and_report_start_step(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     with CollectingIngest() as ingest:

@@ -21,6 +21,8 @@ from tracehound.tracing.events import HealthSample, HealthSeverity
 from tracehound.tracing.store import TraceStore, is_embedded
 from tracehound.tracing.store.ingest import IngestServer
 
+pytestmark = pytest.mark.e2e
+
 TRACEHOUND = [sys.executable, "-m", "tracehound.controller.cli"]
 
 

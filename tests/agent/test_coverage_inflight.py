@@ -146,7 +146,7 @@ def test_heartbeats_of_a_call_long_in_flight_are_sent_at_once() -> None:
         rec.close(timeout=1.0)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_heartbeats_every_100_ms_while_a_call_hangs(tmp_path: Path) -> None:
     run = run_scenario("inflight", 2, tmp_path, heartbeat_s=1.0,
                        env={"TRACEHOUND_INFLIGHT_S": "0.5"})

@@ -15,6 +15,8 @@ from coverage_harness import assert_same_calls, assert_transfers, group_ranks, r
 
 from tracehound.tracing.events import CollectiveEvent
 
+pytestmark = pytest.mark.e2e
+
 
 def ops_of(calls: list[tuple[int, str]]) -> list[str]:
     return [op for _, op in calls]
@@ -175,7 +177,6 @@ def test_fsdp2_all_gathers_and_reduce_scatters(tmp_path: Path) -> None:
     assert all(sizes[(0, seq)] == sizes[(1, seq)] > 0 for seq, _ in calls["0"])
 
 
-@pytest.mark.slow
 def test_batch_isend_irecv_pipeline(tmp_path: Path) -> None:
     world = 4
     run = run_scenario("pipeline", world, tmp_path)
@@ -198,7 +199,6 @@ def test_batch_isend_irecv_pipeline(tmp_path: Path) -> None:
     assert ops_of(assert_same_calls(run)["0"]) == ["barrier"]
 
 
-@pytest.mark.slow
 def test_sub_groups_and_their_rank_maps(tmp_path: Path) -> None:
     run = run_scenario("subgroups", 4, tmp_path)
     groups = group_ranks(run)
@@ -223,7 +223,6 @@ def test_sub_groups_and_their_rank_maps(tmp_path: Path) -> None:
     assert assert_transfers(run) == {f"{high}:p2p:2-3": [(2, 3, 28)]}
 
 
-@pytest.mark.slow
 def test_all_to_all_with_uneven_splits(tmp_path: Path) -> None:
     world = 3
     run = run_scenario("alltoall", world, tmp_path)
@@ -239,7 +238,6 @@ def test_all_to_all_with_uneven_splits(tmp_path: Path) -> None:
     assert [sent[(r, 1)] for r in range(world)] == [72, 108, 144]
 
 
-@pytest.mark.slow
 def test_object_collectives_are_one_operation_each(tmp_path: Path) -> None:
     world = 3
     run = run_scenario("objects", world, tmp_path)

@@ -163,7 +163,7 @@ def run_without_agent(tmp_path: Path, calls: int, name: str) -> list[dict[str, A
     return finish(procs, out)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_flood_without_an_agent_finishes_with_bounded_memory_and_exact_drops(
     tmp_path: Path,
 ) -> None:
@@ -184,7 +184,7 @@ def test_flood_without_an_agent_finishes_with_bounded_memory_and_exact_drops(
         assert growth_kb < 4 * 1024, f"rank {rank}: peak RSS grew by {growth_kb} kB"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_flood_survives_the_agent_being_killed_mid_run(tmp_path: Path) -> None:
     calls = 60_000
     socket_path = tmp_path / "agent.sock"

@@ -713,6 +713,7 @@ def test_cli_flags_and_defaults() -> None:
         parse_args([*base, "--stack-after", "-1"])
 
 
+@pytest.mark.e2e
 def test_agent_process_watches_ranks_and_stops_on_sigterm(
     tmp_path: Path, spawn: Callable[..., subprocess.Popen[bytes]],
 ) -> None:

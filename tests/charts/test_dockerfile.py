@@ -1,9 +1,9 @@
-"""What can be checked of the Dockerfile without building it: the image is NOT built here (there
-is no Docker engine on these machines), so these tests read the Dockerfile and .dockerignore and
-hold them to the project and the chart: a numeric non-root USER equal to the chart's runAsUser,
-ENTRYPOINT `tracehound` (a console script of the project), the CPU torch wheel pinned to the
-version the Makefile pins and installed before the project (with every extra), the reference the Dockerfile says
-it is built as equal to the chart's default image, labels, no secrets, and a .dockerignore that
+"""What can be checked of the Dockerfile without building it: the image is NOT built here (there is
+no Docker engine on these machines), so these tests read the Dockerfile and .dockerignore and hold
+them to the project and the chart: a numeric non-root USER equal to the chart's runAsUser,
+ENTRYPOINT `tracehound` (a console script of the project), the CPU torch wheel pinned to the version
+the Makefile pins and installed before the project (with every extra), the reference the Dockerfile
+says it is built as equal to the chart's default image, labels, no secrets, and a .dockerignore that
 keeps the venv and git history out of the build context."""
 
 from __future__ import annotations

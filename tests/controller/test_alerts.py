@@ -786,6 +786,7 @@ def test_records_wait_in_the_journal_until_the_store_opens(
     assert [a.target for a in read.actions] == ["oncall"]
 
 
+@pytest.mark.e2e
 def test_tracehound_run_records_each_alert_on_its_incident(
         tmp_path: Path, endpoint: Callable[..., Endpoint],
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.clickhouse_server]
+pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

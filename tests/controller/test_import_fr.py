@@ -176,7 +176,7 @@ def make_dumps(scenario: str, outdir: Path, *args: str) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_fresh_hang_of_the_last_of_four_ranks(tmp_path: Path, store: str) -> None:
     """The last rank freezes: the dumps alone cannot show a fourth rank, --world-size does."""
     run = make_dumps("hang", tmp_path / "dumps", "--world", "4", "--culprit", "3",
@@ -188,7 +188,7 @@ def test_a_fresh_hang_of_the_last_of_four_ranks(tmp_path: Path, store: str) -> N
     assert verdict["kind"] == "hang" and verdict["culprit_ranks"] == [3]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_fresh_crash_with_the_exit_code_the_launcher_saw(tmp_path: Path, store: str) -> None:
     run = make_dumps("crash", tmp_path / "dumps", "--world", "3", "--culprit", "1",
                      "--format", "pickle")

@@ -14,7 +14,7 @@ import pytest
 
 from tracehound.tracing.store import open_store
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "torchrun_job.py")
 

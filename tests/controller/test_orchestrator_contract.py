@@ -28,6 +28,8 @@ from tracehound.controller.orchestrators.port import AttemptPlan, Launched, Orch
 from tracehound.tracing.events import RankExit
 from tracehound.tracing.ids import JobId, NodeId
 
+pytestmark = pytest.mark.e2e
+
 NODES = (NodeId("n0"), NodeId("n1"))
 PER_NODE = 2
 

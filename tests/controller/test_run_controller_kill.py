@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from run_harness import beside_observed_stragglers
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 class Controller:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from run_harness import beside_observed_stragglers, run_and_list
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def run_job(tmp_path: Path, job: str, *script_args: str,

@@ -23,7 +23,7 @@ from run_harness import beside_observed_stragglers, run_and_list
 
 from tracehound.tracing.store.factory import open_store
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def script() -> str:

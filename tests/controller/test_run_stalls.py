@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from run_harness import run_and_list
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).parent / "scripts" / "busy_train.py"
 

@@ -14,7 +14,7 @@ import pytest
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def alive(pid: int) -> bool:

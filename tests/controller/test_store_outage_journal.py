@@ -174,7 +174,7 @@ class Outage:
             self.server = start_server(self.server.workdir, tcp_port=self.server.tcp_port)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.clickhouse_server
 def test_a_60_s_outage_while_acting_loses_nothing_and_stores_nothing_twice(
     tmp_path: Path,

@@ -62,7 +62,7 @@ def _exits(orch: LocalOrchestrator, count: int, timeout_s: float = 120.0) -> dic
     return codes
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_restart_hands_its_ranks_to_warm_spares(tmp_path: Path) -> None:
     scripts = tmp_path / "src"
     scripts.mkdir()

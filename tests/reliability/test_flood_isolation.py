@@ -46,7 +46,7 @@ from ship_harness import (
 from tracehound.tracing.store import open_store
 from tracehound.tracing.store.ingest import IngestServer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 WORLD = 2
 BUFFER = 64

@@ -32,7 +32,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pytest
 from ship_harness import (
     REPORTING,
     Key,
@@ -58,6 +57,8 @@ import datetime, sys, time
 
 import torch
 import torch.distributed as dist
+
+pytestmark = pytest.mark.e2e
 ''' + REPORTING + r'''
 steps, step_ms, reports = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -139,7 +140,6 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
 
 
-@pytest.mark.slow
 def test_controller_killed_and_started_again_loses_and_doubles_nothing(tmp_path: Path) -> None:
     job, steps = "ingest-restart", 500
     script = tmp_path / "job.py"

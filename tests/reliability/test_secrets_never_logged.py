@@ -246,7 +246,7 @@ def files_under(directory: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_run_with_a_crash_and_failing_receivers_logs_no_secret(
         secret_server: tuple[int, Path], receivers: Receivers, tmp_path: Path) -> None:
     port, _ = secret_server

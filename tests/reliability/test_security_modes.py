@@ -41,6 +41,7 @@ def open_umask() -> Iterator[None]:
         os.umask(old)
 
 
+@pytest.mark.e2e
 def test_a_node_agents_socket_and_spool(tmp_path: Path) -> None:
     sock = tmp_path / "a.sock"
     spool = tmp_path / "spool" / "n0"

@@ -59,7 +59,7 @@ from tracehound.tracing import events
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
 
-pytestmark = [pytest.mark.slow, pytest.mark.clickhouse_server]
+pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 
 JOB = JobId("spool-full")
 NODE = "node-0"

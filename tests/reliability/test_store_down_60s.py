@@ -38,7 +38,7 @@ from tracehound.tracing.events import now_us
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
 
-pytestmark = [pytest.mark.slow, pytest.mark.clickhouse_server]
+pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 
 JOB = JobId("outage60")
 OUTAGE_S = 60.0

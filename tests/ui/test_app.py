@@ -193,7 +193,7 @@ def test_views_work_on_a_clickhouse_server(clickhouse_url: str,
         drop_database(url)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_every_view_on_a_real_demo_run(demo_store: FilledStore,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     at = app(demo_store.url, "jobs", monkeypatch)

@@ -22,6 +22,8 @@ from urllib.parse import quote
 import pytest
 from ui_harness import HOSTILE, FilledStore
 
+pytestmark = pytest.mark.e2e
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
@@ -98,7 +100,6 @@ def _load(page: Any, base: str, view: str, job: str, expect: list[str], shot: Pa
     assert shot.stat().st_size > 10_000  # a drawn page, not a blank one
 
 
-@pytest.mark.slow
 def test_each_view_names_the_culprit_of_a_real_demo_run(demo_store: FilledStore,
                                                         tmp_path: Path) -> None:
     shots = _shots(tmp_path)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from test_browser import _free_port
 
+pytestmark = pytest.mark.e2e
+
 
 def tracehound(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tracehound.controller.cli", *args],
