@@ -66,10 +66,12 @@ echo "== pytest, two lanes at once: the tests not marked e2e in parallel (pytest
 echo "   tests (real training jobs and servers) one at a time beside them, at a lower priority"
 started=$(date +%s)
 # shellcheck disable=SC2086
-"$PY" -m pytest -q -m "not e2e" -n 2 --timeout 600 ${PYTEST_ARGS:-} > "$workdir/lane-parallel.log" 2>&1 &
+"$PY" -m pytest -q -m "not e2e or clickhouse_cluster" -n 2 --dist loadgroup --timeout 900 \
+    ${PYTEST_ARGS:-} > "$workdir/lane-parallel.log" 2>&1 &
 parallel_pid=$!
 # shellcheck disable=SC2086
-nice -n 10 "$PY" -m pytest -q -m e2e --timeout 1200 ${PYTEST_ARGS:-} > "$workdir/lane-e2e.log" 2>&1 &
+nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 ${PYTEST_ARGS:-} \
+    > "$workdir/lane-e2e.log" 2>&1 &
 e2e_pid=$!
 parallel_status=0
 e2e_status=0

@@ -29,10 +29,24 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import clickhouse_harness`
 
 from clickhouse_harness import TEST_CLUSTER, start_server
+from demo_harness import DemoRun, run_demo
 
 from tracehound.tracing.store import TraceStore, open_store
 
 CLICKHOUSE_URL_ENV = "TRACEHOUND_TEST_CLICKHOUSE_URL"
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests of the store's cluster mode share the test server's shard databases: they all go
+    to one xdist worker, one after the other (`--dist loadgroup`), and carry the marker
+    `clickhouse_cluster` (the serial lane leaves them to the parallel one)."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if names & {"cluster_url", "test_cluster"} or "cluster" in params.values():
+            item.add_marker(pytest.mark.clickhouse_cluster)
+            item.add_marker(pytest.mark.xdist_group("clickhouse-cluster"))
+
 
 E2E_PROGRAMS = ("torchrun", "chromium", "streamlit", "tracehound.agent.node",
                 "tracehound.agent.rank.warmspare", "coverage_job.py", "busy_train.py",
@@ -188,3 +202,25 @@ def store(store_url: str) -> Iterator[TraceStore]:
         yield opened
     finally:
         opened.close()
+
+
+# -- real demo runs, shared by the tests that read them ------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def demo_hang(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """Rank 3 stopped with SIGSTOP, on an embedded store: read by the demo's own checks and the
+    dashboard's tests (one run for all of them)."""
+    base = tmp_path_factory.mktemp("demo-hang")
+    return run_demo(f"chdb://{base / 'store'}", "demo-hang", base / "work",
+                    "--fault", "hang", "--rank", "3")
+
+
+@pytest.fixture(scope="session")
+def demo_crash(tmp_path_factory: pytest.TempPathFactory, clickhouse_url: str) -> DemoRun:
+    """Rank 1 killed with SIGKILL, on the ClickHouse server: read by the demo's own checks and
+    by export/load."""
+    base = tmp_path_factory.mktemp("demo-crash")
+    store = urlsplit(clickhouse_url)._replace(
+        path=f"/tracehound_demo{uuid.uuid4().hex[:10]}").geturl()
+    return run_demo(store, "demo-crash", base / "work", "--fault", "crash", "--rank", "1")

@@ -116,6 +116,13 @@ TRACEHOUND_SINK = "TRACEHOUND_SINK"
 """Where a node agent ships batches: a clickhouse:// store URL, or the http:// ingest endpoint of
 the process that owns an embedded store. The node agent's --sink, when that is not given."""
 
+TRACEHOUND_SHIP_MAX_BACKOFF_S = "TRACEHOUND_SHIP_MAX_BACKOFF_S"
+"""Longest wait, in seconds, of a node agent between tries of a sink it cannot reach (default
+DEFAULT_SHIP_MAX_BACKOFF_S); the waits start at 0.2 s and double up to it. The node agent's
+--retry-max, when that is not given."""
+
+DEFAULT_SHIP_MAX_BACKOFF_S = 10.0
+
 TRACEHOUND_INGEST_TOKEN = "TRACEHOUND_INGEST_TOKEN"  # noqa: S105 - the variable's name
 """Shared secret of the ingest endpoint of an embedded store: node agents send it
 (`Authorization: Bearer <token>`), the endpoint answers 401 without it. Required for an endpoint

@@ -90,6 +90,7 @@ from tracehound.tracing.settings import (
     DEFAULT_GPU,
     DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_NCCL_RAS,
+    DEFAULT_SHIP_MAX_BACKOFF_S,
     DEFAULT_SIM_GPUS,
     GPU_BACKENDS,
     NCCL_RAS_MODES,
@@ -101,6 +102,7 @@ from tracehound.tracing.settings import (
     TRACEHOUND_NCCL_INSPECTOR_DIR,
     TRACEHOUND_NCCL_RAS,
     TRACEHOUND_NODE_ID,
+    TRACEHOUND_SHIP_MAX_BACKOFF_S,
     TRACEHOUND_SIM_GPU_FAULTS,
     TRACEHOUND_SIM_GPUS,
     TRACEHOUND_SINK,
@@ -197,13 +199,15 @@ class NodeAgent:
         sources: SourcePoller | None = None,
         heartbeat_observers: Sequence[Callable[[Heartbeat], None]] = (),
         spans: CollectiveSpans | None = None,
+        retry_max_s: float = DEFAULT_SHIP_MAX_BACKOFF_S,
     ) -> None:
         """`watcher` (optional) is told every heartbeat, and started and stopped with the agent;
         `sources` (optional) polls the node's health, NCCL and other sources while the agent
         runs. Give both `spool_writer(spool)` as their emit so their records ship with the
         ranks'. `heartbeat_observers` are told every heartbeat too (an observer that raises is
         logged, never fatal). `spans` (optional) is handed every collective received, to export
-        the sampled ones as OpenTelemetry spans."""
+        the sampled ones as OpenTelemetry spans. `retry_max_s` is the longest wait between tries
+        of a sink that cannot be reached."""
         self.job = job
         self.node = node
         self.socket_path = socket_path
@@ -211,7 +215,7 @@ class NodeAgent:
         if isinstance(sink, HttpSink) and sink.on_clock is None:
             # each shipment measures this node's clock against the collector's
             sink.on_clock = ClockTracker(job=job, node=node, emit=spool.append)
-        self.shipper = Shipper(spool, sink)
+        self.shipper = Shipper(spool, sink, max_backoff_s=retry_max_s)
         self.stats_file = stats_file
         self.stats_interval_s = stats_interval_s
         self.watcher = watcher
@@ -475,6 +479,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
                         help="where batches go: clickhouse://... or http://host:port (default: "
                              f"${TRACEHOUND_SINK}, else ${TRACEHOUND_STORE} when it is a "
                              "clickhouse:// URL)")
+    parser.add_argument("--retry-max", type=_seconds, metavar="S",
+                        default=env_float(TRACEHOUND_SHIP_MAX_BACKOFF_S,
+                                          DEFAULT_SHIP_MAX_BACKOFF_S, env=env, minimum=0.1),
+                        help="longest wait between tries of a sink that cannot be reached; the "
+                             "waits start at 0.2 s and double up to it (default: "
+                             f"${TRACEHOUND_SHIP_MAX_BACKOFF_S}, else "
+                             f"{DEFAULT_SHIP_MAX_BACKOFF_S:g})")
     parser.add_argument("--stats-file", default=None, help="JSON stats, rewritten every second")
     parser.add_argument("--stats-interval", type=float, default=10.0, help="seconds between logs")
     parser.add_argument("--drain-s", type=float, default=10.0, help="shipping budget at stop")
@@ -649,7 +660,7 @@ def run_agent(args: argparse.Namespace) -> int:
     agent = NodeAgent(
         job=args.job, node=args.node, socket_path=args.socket, spool=spool, sink=sink,
         stats_file=args.stats_file, stats_interval_s=args.stats_interval, watcher=watcher,
-        sources=poller, heartbeat_observers=[ranks.observe],
+        sources=poller, heartbeat_observers=[ranks.observe], retry_max_s=args.retry_max,
     )
     try:
         # nothing starts unless OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT is set

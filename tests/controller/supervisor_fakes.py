@@ -26,10 +26,12 @@ class ScriptedOrchestrator:
     isolated: list[str] = field(default_factory=list)
     closed: bool = False
     warmed: int = 0
+    clock: Callable[[], float] = time.time
+    """Seconds, for `launched_at` (the wall clock unless a test drives time)."""
 
     def launch(self, plan: AttemptPlan) -> Launched:
         self.plans.append(plan)
-        self.launched_at.append(time.time())
+        self.launched_at.append(self.clock())
         return Launched(cold=plan.world_size)
 
     def wait_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> bool:

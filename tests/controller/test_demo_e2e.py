@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from demo_harness import DemoRun
 
 pytestmark = pytest.mark.e2e
 
@@ -72,21 +73,15 @@ def check_stored(store: str, job: str, fault: str, rank: int) -> None:
     assert json.loads(healthy.stdout)["kind"] == "healthy"
 
 
-def test_demo_hang_is_localized_and_recovered_embedded_store(tmp_path: Path) -> None:
-    store = f"chdb://{tmp_path / 'store'}"
-    report = run_demo("hang", 3, store, tmp_path / "work", "e2e-hang")
-    check_recovery(report, "hang", 3)
-    check_stored(store, "e2e-hang", "hang", 3)
+def test_demo_hang_is_localized_and_recovered_embedded_store(demo_hang: DemoRun) -> None:
+    check_recovery(demo_hang.report, "hang", 3)
+    check_stored(demo_hang.store, demo_hang.job, "hang", 3)
 
 
 @pytest.mark.clickhouse_server
-def test_demo_crash_is_localized_and_recovered_server_store(
-    tmp_path: Path, clickhouse_url: str
-) -> None:
-    store = clickhouse_url.rsplit("/", 1)[0] + "/tracehound_e2e_crash"
-    report = run_demo("crash", 1, store, tmp_path / "work", "e2e-crash")
-    check_recovery(report, "crash", 1)
-    check_stored(store, "e2e-crash", "crash", 1)
+def test_demo_crash_is_localized_and_recovered_server_store(demo_crash: DemoRun) -> None:
+    check_recovery(demo_crash.report, "crash", 1)
+    check_stored(demo_crash.store, demo_crash.job, "crash", 1)
 
 
 def test_demo_xid_on_one_node_is_a_hardware_verdict_naming_it(tmp_path: Path) -> None:

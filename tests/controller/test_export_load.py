@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from demo_harness import DemoRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 
@@ -75,22 +76,20 @@ def test_a_simulated_1024_rank_job_moves_between_stores_with_its_verdict(
 
 
 def test_a_real_demo_job_moves_between_stores_with_its_verdict_and_incidents(
-    tmp_path: Path, clickhouse_url: str
+    tmp_path: Path, demo_crash: DemoRun
 ) -> None:
-    server = server_store(clickhouse_url)
-    demo = cli("demo", "--fault", "crash", "--rank", "1", "--store", server, "--workdir",
-               str(tmp_path / "work"), "--job-id", "moved", "--json")
-    assert demo.returncode == 0, demo.stdout + demo.stderr
-    assert json.loads(demo.stdout)["culprit_ranks"] == [1]
+    """The demo's crash run (shared with tests/controller/test_demo_e2e.py)."""
+    server, job = demo_crash.store, demo_crash.job
+    assert demo_crash.report["culprit_ranks"] == [1]
     embedded = f"chdb://{tmp_path / 'chdb'}"
-    first, second = move("moved", server, embedded, tmp_path)
+    first, second = move(job, server, embedded, tmp_path)
     assert first == second
     kinds = {json.loads(line)["type"] for line in first}
     assert {"collective", "heartbeat", "group", "exit", "process", "incident",
             "action"} <= kinds
     for attempt in (0, 1):
-        assert diagnose("moved", server, attempt) == diagnose("moved", embedded, attempt)
-    listed = [cli("incidents", "--job", "moved", "--store", s, "--json") for s in
+        assert diagnose(job, server, attempt) == diagnose(job, embedded, attempt)
+    listed = [cli("incidents", "--job", job, "--store", s, "--json") for s in
               (server, embedded)]
     assert json.loads(listed[0].stdout) == json.loads(listed[1].stdout)
     assert json.loads(listed[1].stdout)[0]["culprit_ranks"] == [1]

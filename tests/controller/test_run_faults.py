@@ -26,13 +26,12 @@ def run_job(tmp_path: Path, job: str, *script_args: str,
     ])
 
 
-@pytest.mark.parametrize("every", ["0", "1"])
-def test_hang_inside_a_rank(tmp_path: Path, every: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hang_inside_a_rank(tmp_path: Path) -> None:
     # The script's hang sleeps forever outside collectives: alive and reporting, so a stall,
     # and a hang once the busy grace (short here) has passed; its machine is not evicted.
-    # By default (0) DDP's buckets are only counted (agent/hooks.py `_DdpCount`); with 1
-    # each is recorded: the hang is localized either way.
-    monkeypatch.setenv("TRACEHOUND_DDP_TRACE_EVERY", every)
+    # DDP's buckets are counted (the default, agent/rank/hooks/ddp.py `_DdpCount`); with every
+    # bucket recorded (TRACEHOUND_DDP_TRACE_EVERY=1) the same records hold the same waits
+    # (tests/agent/test_coverage_paths.py).
     outcome, incidents = run_job(tmp_path, "hang", "--steps", "120", "--step-sleep-ms", "20",
                                  "--fault", "hang", "--fault-rank", "1", "--fault-step", "40",
                                  extra=("--busy-grace", "12"))
@@ -51,12 +50,9 @@ def test_crash_of_a_rank(tmp_path: Path) -> None:
             for i in beside_observed_stragglers(incidents)] == [("crash", [2], ["node-1"])]
 
 
-@pytest.mark.parametrize("every", ["0", "1"])
-def test_slowed_rank_is_a_straggler_observed_then_isolated(
-        tmp_path: Path, every: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # with 0 (the default), found from the steps' `ddp_comm` of the counted group: who arrives
-    # last, and the compute between steps; with 1 from the buckets
-    monkeypatch.setenv("TRACEHOUND_DDP_TRACE_EVERY", every)
+def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> None:
+    # found from the steps' `ddp_comm` of the counted group (the default): who arrives last,
+    # and the compute between steps
     outcome, incidents = run_job(tmp_path, "straggler", "--steps", "800", "--step-sleep-ms",
                                  "10", "--fault", "slow", "--slow-ms", "40", "--fault-rank", "3",
                                  "--fault-step", "20")

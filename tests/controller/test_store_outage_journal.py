@@ -1,10 +1,12 @@
 """The supervisor's journal: a store outage of any length loses no incident, action or exit, and
 stores none twice.
 
-- A private ClickHouse server goes down (stopped, for 60 s of wall time) right when the
-  supervisor acts on a crash: the incident and its stop/isolate/restart actions are written while
-  it is away, the next attempt is launched and watched meanwhile, and once the server is back
-  (same port, same data) every record is stored exactly once.
+- A private ClickHouse server goes down (stopped) right when the supervisor acts on a crash, for
+  60 s of the supervisor's time (its clock and sleep are injected: the minute passes in the
+  seconds its polls and retries take, with the real server stopped all along): the incident and
+  its stop/isolate/restart actions are written while it is away, the next attempt is launched
+  and watched meanwhile, and once the server is back (same port, same data) every record is
+  stored exactly once.
 - A supervisor that ends while the store is away leaves its records in the journal; a new
   supervisor on the same journal writes them, once.
 - A write that landed but looked failed (the store took it, then the connection broke) is not
@@ -15,7 +17,6 @@ The suite's shared server (TRACEHOUND_TEST_CLICKHOUSE_URL) is never stopped here
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -144,23 +145,29 @@ def _key(action: Action) -> tuple[Any, ...]:
 
 class Outage:
     """Stops a private server when told, and starts it again (same port and data) from the
-    supervisor's sleep once it has been down for `length_s` of wall time."""
+    supervisor's sleep once it has been down for `length_s` of the supervisor's clock, which that
+    sleep advances without waiting."""
 
-    def __init__(self, server: RunningServer, length_s: float) -> None:
+    def __init__(self, server: RunningServer, length_s: float, clock: Clock) -> None:
         self.server = server
         self.length_s = length_s
+        self.clock = clock
         self.began = 0.0
         self.ended = 0.0
+        """When the outage began and ended, in seconds of the supervisor's clock."""
         self.pending_during: list[int] = []
         self.states_pending: list[list[str]] = []
         self.supervisor: Supervisor | None = None
 
+    def now(self) -> float:
+        return self.clock() / S
+
     def begin(self) -> None:
         self.server.stop()
-        self.began = time.time()
+        self.began = self.now()
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
+        self.clock.sleep(seconds)
         if not self.began or self.ended:
             return
         if self.supervisor is not None:
@@ -169,8 +176,8 @@ class Outage:
             self.states_pending.append(sorted({e.record.state.value
                                                for e in self.supervisor.outbox.pending()
                                                if isinstance(e.record, JobState)}))
-        if time.time() - self.began >= self.length_s:
-            self.ended = time.time()
+        if self.now() - self.began >= self.length_s:
+            self.ended = self.now()
             self.server = start_server(self.server.workdir, tcp_port=self.server.tcp_port)
 
 
@@ -180,13 +187,14 @@ def test_a_60_s_outage_while_acting_loses_nothing_and_stores_nothing_twice(
     tmp_path: Path,
 ) -> None:
     server = start_server(tmp_path / "clickhouse")
-    outage = Outage(server, OUTAGE_S)
+    clock = Clock()
+    outage = Outage(server, OUTAGE_S, clock)
     try:
         store = open_store(server.url)
-        orch = ScriptedOrchestrator()
+        orch = ScriptedOrchestrator(clock=outage.now)
         sup = supervisor(
-            store, orch, tmp_path / "journal.jsonl", sleep=outage.sleep,
-            observer=CrashThenClean(orch, on_crash_seen=outage.begin),
+            store, orch, tmp_path / "journal.jsonl", clock=clock, sleep=outage.sleep,
+            observer=CrashThenClean(orch, clock, on_crash_seen=outage.begin),
             settings=SupervisorSettings(poll_s=0.5),
         )
         outage.supervisor = sup

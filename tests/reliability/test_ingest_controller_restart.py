@@ -32,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from ship_harness import (
     REPORTING,
     Key,
@@ -52,13 +53,13 @@ from tracehound.tracing.events import Batch
 from tracehound.tracing.store import InsertReport, TraceStore, open_store
 from tracehound.tracing.store.ingest import IngestServer
 
+pytestmark = pytest.mark.e2e
+
 JOB_SCRIPT = r'''
 import datetime, sys, time
 
 import torch
 import torch.distributed as dist
-
-pytestmark = pytest.mark.e2e
 ''' + REPORTING + r'''
 steps, step_ms, reports = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))

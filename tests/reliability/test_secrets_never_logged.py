@@ -327,6 +327,7 @@ def test_a_run_with_a_crash_and_failing_receivers_logs_no_secret(
             assert leaks(done.stdout + done.stderr) == []
 
 
+@pytest.mark.e2e
 def test_the_dashboard_logs_no_secret(
         secret_server: tuple[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:

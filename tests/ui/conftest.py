@@ -3,8 +3,6 @@ a job with hostile names and text) diagnosed and recorded as incidents, and a re
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import ui_harness`
 
+from demo_harness import DemoRun
 from ui_harness import FilledStore, fill_simulated
 
 from tracehound.ui.store import close_shared_store
@@ -34,19 +33,11 @@ def sim_store(tmp_path_factory: pytest.TempPathFactory) -> FilledStore:
 
 
 @pytest.fixture(scope="session")
-def demo_store(tmp_path_factory: pytest.TempPathFactory) -> FilledStore:
-    """A real `tracehound demo` run (2 nodes x 2 gloo ranks, rank 3 stopped with SIGSTOP)."""
-    base = tmp_path_factory.mktemp("ui-demo")
-    url = f"chdb://{base / 'store'}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracehound.controller.cli", "demo", "--job-id", "demo-hang",
-         "--store", url, "--workdir", str(base / "work"), "--json"],
-        capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+def demo_store(demo_hang: DemoRun) -> FilledStore:
+    """A real `tracehound demo` run (2 nodes x 2 gloo ranks, rank 3 stopped with SIGSTOP):
+    the session's `demo_hang`, which the demo's own checks read too."""
+    report = demo_hang.report
     assert report["completed"] is True, report
-    return FilledStore(url, {"demo-hang": {
+    return FilledStore(demo_hang.store, {demo_hang.job: {
         "kind": "hang", "culprit_ranks": [report["injected_rank"]],
         "culprit_nodes": [report["injected_node"]]}})
-

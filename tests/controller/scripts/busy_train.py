@@ -12,6 +12,9 @@
                             last stage stops itself (SIGSTOP from a thread) inside its recv, in
                             attempt 0 only, while the first stage blocks in the matching send
 
+    --stall NAME@RANK:STEP  (repeatable) one of the four stalls above, on that rank at that
+                            step, several in one run
+
 Each run ends with "done" on every rank. The stalls last 12 s: with the hang threshold at 5 s a
 stall is one for its last 7 s only, and on two shared cores the heartbeats that show it reach
 the controller a second or more late.
@@ -52,11 +55,17 @@ def train(args: argparse.Namespace, rank: int) -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     model = DistributedDataParallel(net)
     ckpt = Path(args.workdir) / f"rank{rank}.pt"
+    stalls = list(args.stalls)
+    if args.scenario in STALLS:
+        rank_of = 0 if args.scenario in ("checkpoint", "eval") else args.rank
+        at = 0 if args.scenario == "first-step" else args.at_step
+        stalls.append((args.scenario, rank_of, at))
+    mine = {(name, at) for name, who, at in stalls if who == rank}
     for step in range(args.steps):
-        if args.scenario == "first-step" and step == 0 and rank == args.rank:
+        if ("first-step", step) in mine:
             a = torch.randn(256, 256)
             busy_for(10.0, lambda a=a: a @ a)
-        if args.scenario == "dataload" and step == args.at_step and rank == args.rank:
+        if ("dataload", step) in mine:
             time.sleep(12.0)  # the loader waits on storage
         if args.scenario == "deadlock" and step == args.at_step and rank == args.rank and (
             attempt() == 0
@@ -70,7 +79,7 @@ def train(args: argparse.Namespace, rank: int) -> None:
         loss.backward()
         opt.step()
         time.sleep(0.02)
-        if step == args.at_step and rank == 0 and args.scenario == "checkpoint":
+        if ("checkpoint", step) in mine:
             state = {"model": model.state_dict(), "opt": opt.state_dict(),
                      "pad": torch.randn(2_000_000)}
 
@@ -81,7 +90,7 @@ def train(args: argparse.Namespace, rank: int) -> None:
                     os.fsync(f.fileno())
 
             busy_for(12.0, write)
-        if step == args.at_step and rank == 0 and args.scenario == "eval":
+        if ("eval", step) in mine:
             with torch.no_grad():
                 batch = torch.randn(512, 64)
                 busy_for(12.0, lambda batch=batch: model.module(batch))
@@ -105,11 +114,25 @@ def pipeline(args: argparse.Namespace, rank: int) -> None:
             dist.send(torch.ones(1) * act[0], dst=0)
 
 
+STALLS = ("checkpoint", "eval", "first-step", "dataload")
+
+
+def stall(spec: str) -> tuple[str, int, int]:
+    """NAME@RANK:STEP -> (name, rank, step)."""
+    name, _, where = spec.partition("@")
+    rank, _, step = where.partition(":")
+    if name not in STALLS or not rank.isdigit() or not step.isdigit():
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected NAME@RANK:STEP, NAME one of "
+                                         f"{', '.join(STALLS)}")
+    return name, int(rank), int(step)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", required=True,
-                        choices=["checkpoint", "eval", "first-step", "dataload", "deadlock",
-                                 "pipeline"])
+    parser.add_argument("--scenario", default="stalls",
+                        choices=[*STALLS, "deadlock", "pipeline", "stalls"])
+    parser.add_argument("--stall", type=stall, action="append", default=[], dest="stalls",
+                        metavar="NAME@RANK:STEP")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--at-step", type=int, default=30)
     parser.add_argument("--rank", type=int, default=1)

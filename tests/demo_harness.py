@@ -1,0 +1,30 @@
+"""Real `tracehound demo` runs for the tests that read them (the session fixtures `demo_hang` and
+`demo_crash` of tests/conftest.py run each once)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """A real `tracehound demo` run (2 nodes x 2 gloo ranks + a spare): its store, job and the
+    report it printed."""
+
+    store: str
+    job: str
+    report: dict[str, Any]
+
+
+def run_demo(store: str, job: str, workdir: Path, *fault: str) -> DemoRun:
+    done = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "demo", *fault, "--store", store,
+         "--workdir", str(workdir), "--job-id", job, "--json"],
+        capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    return DemoRun(store, job, json.loads(done.stdout))
