@@ -11,7 +11,9 @@ checkpoint helper. Faults are injected from inside for tests and demos:
                                                    all-reduce the loss (they all hang)
 
 A fault fires only in attempt --fault-attempt (default 0; -1: every attempt), so a restarted job
-that resumed from a checkpoint runs on healthy.
+that resumed from a checkpoint runs on healthy. `--fault-in KIND:RANK:STEP@ATTEMPT` (repeatable)
+adds one fault per attempt, e.g. a hang in attempt 0, a crash in attempt 1 and a mismatch in
+attempt 2 of one job.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import datetime
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault-rank", type=int, default=0)
     parser.add_argument("--fault-step", type=int, default=0)
     parser.add_argument("--fault-attempt", type=int, default=0, help="-1: every attempt")
+    parser.add_argument("--fault-in", type=fault_spec, action="append", default=[],
+                        metavar="KIND:RANK:STEP@ATTEMPT", help="one more fault (repeatable)")
     parser.add_argument("--slow-ms", type=float, default=50.0)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
@@ -58,18 +63,55 @@ def attempt() -> int:
     return int(raw) if raw else 0
 
 
-def faulty(args: argparse.Namespace, rank: int, step: int) -> bool:
-    """Whether the configured fault applies to this rank, at this step, in this attempt."""
-    if args.fault == "none" or rank != args.fault_rank or step < args.fault_step:
-        return False
-    return bool(args.fault_attempt < 0 or attempt() == args.fault_attempt)
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    attempt: int
+    """-1: every attempt."""
+
+
+FAULT_KINDS = ("crash", "hang", "slow", "mismatch")
+
+
+def fault_spec(text: str) -> Fault:
+    """KIND:RANK:STEP@ATTEMPT -> a Fault."""
+    where, _, at = text.partition("@")
+    parts = where.split(":")
+    try:
+        kind, rank, step = parts[0], int(parts[1]), int(parts[2])
+        number = int(at or 0)
+    except (IndexError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected KIND:RANK:STEP@ATTEMPT, e.g. crash:2:60@1") from None
+    if kind not in FAULT_KINDS or len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"{text!r}: KIND is one of {', '.join(FAULT_KINDS)}")
+    return Fault(kind, rank, step, number)
+
+
+def faults(args: argparse.Namespace) -> list[Fault]:
+    listed = list(args.fault_in)
+    if args.fault != "none":
+        listed.append(Fault(args.fault, args.fault_rank, args.fault_step, args.fault_attempt))
+    return listed
+
+
+def faulty(args: argparse.Namespace, rank: int, step: int) -> Fault | None:
+    """The configured fault that applies to this rank, at this step, in this attempt."""
+    for fault in faults(args):
+        if rank == fault.rank and step >= fault.step and (
+                fault.attempt < 0 or attempt() == fault.attempt):
+            return fault
+    return None
 
 
 def sync_loss(args: argparse.Namespace, rank: int, step: int, loss: torch.Tensor) -> float:
     """The loss averaged over ranks, as scripts do for logging; the mismatch fault makes the
     faulty rank call broadcast here while every other rank calls all_reduce."""
     value = loss.detach().clone()
-    if args.fault == "mismatch" and step == args.fault_step and faulty(args, rank, step):
+    fault = faulty(args, rank, step)
+    if fault is not None and fault.kind == "mismatch" and step == fault.step:
         print(f"rank {rank}: injected mismatch at step {step} (broadcast vs all_reduce)",
               flush=True)
         dist.broadcast(value, src=0)
@@ -78,18 +120,26 @@ def sync_loss(args: argparse.Namespace, rank: int, step: int, loss: torch.Tensor
     return float(value.item()) / dist.get_world_size()
 
 
+def mismatch_at(args: argparse.Namespace, step: int) -> bool:
+    """Whether a mismatch fault of this attempt falls on this step (every rank syncs its loss
+    there, so that the faulty one's broadcast meets its peers' all_reduce)."""
+    return any(f.kind == "mismatch" and f.step == step and (f.attempt < 0 or attempt() == f.attempt)
+               for f in faults(args))
+
+
 def inject(args: argparse.Namespace, rank: int, step: int) -> None:
     """Apply the configured fault if this rank, step and attempt are the chosen ones."""
-    if not faulty(args, rank, step):
+    fault = faulty(args, rank, step)
+    if fault is None:
         return
-    if args.fault == "crash" and step == args.fault_step:
+    if fault.kind == "crash" and step == fault.step:
         print(f"rank {rank}: injected crash at step {step}", flush=True)
         os._exit(1)
-    if args.fault == "hang" and step == args.fault_step:
+    if fault.kind == "hang" and step == fault.step:
         print(f"rank {rank}: injected hang at step {step}", flush=True)
         while True:
             time.sleep(3600)
-    if args.fault == "slow":
+    if fault.kind == "slow":
         time.sleep(args.slow_ms / 1000.0)
 
 
@@ -141,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         done = step + 1
         if args.step_sleep_ms > 0:
             time.sleep(args.step_sleep_ms / 1000.0)
-        mismatch_step = args.fault == "mismatch" and step == args.fault_step
+        mismatch_step = mismatch_at(args, step)
         if (args.sync_loss_every > 0 and done % args.sync_loss_every == 0) or mismatch_step:
             mean_loss = sync_loss(args, rank, step, loss)
         else:

@@ -1,7 +1,7 @@
 """Every fault class that can be injected into a real gloo job here, localized end to end through
-`tracehound run`: hang, crash, a slowed rank (straggler) and an op mismatch, each on a real
-2 nodes x 2 ranks DDP job (faults injected from inside the training script), with the verdict
-read back from the store by `tracehound incidents`.
+`tracehound run`: hang, crash and an op mismatch in successive attempts of one real 2 nodes x 2
+ranks DDP job, and a slowed rank (straggler) in another (faults injected from inside the
+training script), with the verdicts read back from the store by `tracehound incidents`.
 """
 
 from __future__ import annotations
@@ -26,28 +26,32 @@ def run_job(tmp_path: Path, job: str, *script_args: str,
     ])
 
 
-def test_hang_inside_a_rank(tmp_path: Path) -> None:
-    # The script's hang sleeps forever outside collectives: alive and reporting, so a stall,
-    # and a hang once the busy grace (short here) has passed; its machine is not evicted.
-    # DDP's buckets are counted (the default, agent/rank/hooks/ddp.py `_DdpCount`); with every
-    # bucket recorded (TRACEHOUND_DDP_TRACE_EVERY=1) the same records hold the same waits
-    # (tests/agent/test_coverage_paths.py).
-    outcome, incidents = run_job(tmp_path, "hang", "--steps", "120", "--step-sleep-ms", "20",
-                                 "--fault", "hang", "--fault-rank", "1", "--fault-step", "40",
-                                 extra=("--busy-grace", "12"))
-    assert outcome["completed"] is True, outcome
-    incidents = beside_observed_stragglers(incidents)
-    assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"]) for i in incidents] == [
-        ("stall", [1], ["node-0"]), ("hang", [1], ["node-0"])]
-    assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "restart", "resumed"]
-
-
-def test_crash_of_a_rank(tmp_path: Path) -> None:
-    outcome, incidents = run_job(tmp_path, "crash", "--steps", "120", "--step-sleep-ms", "20",
-                                 "--fault", "crash", "--fault-rank", "2", "--fault-step", "40")
-    assert outcome["completed"] is True, outcome
-    assert [(i["kind"], i["culprit_ranks"], i["culprit_nodes"])
-            for i in beside_observed_stragglers(incidents)] == [("crash", [2], ["node-1"])]
+def test_a_hang_a_crash_and_a_mismatch_in_successive_attempts(tmp_path: Path) -> None:
+    """One job, one fault an attempt (each scenario needs a job of its own only where it ends
+    one): rank 1 hangs at step 40 of attempt 0, asleep outside collectives: alive and
+    reporting, so a stall, and a hang once the busy grace (12 s here) has passed, restarted
+    without evicting its machine; rank 2 crashes at step 60 of attempt 1 (resumed from step
+    25): its node is isolated and the job restarts on the spare; at step 80 of attempt 2
+    (resumed from step 50) rank 2, now on the spare node, broadcasts where its peers
+    all-reduce: a mismatch, a bug of the program, so the job is stopped and given up."""
+    outcome, incidents = run_job(
+        tmp_path, "faults", "--steps", "200", "--step-sleep-ms", "20",
+        "--fault-in", "hang:1:40@0", "--fault-in", "crash:2:60@1",
+        "--fault-in", "mismatch:2:80@2", extra=("--busy-grace", "12"))
+    assert outcome["completed"] is False, outcome
+    found = beside_observed_stragglers(incidents)
+    assert [(i["attempt"], i["kind"], i["culprit_ranks"][0], i["culprit_nodes"][0])
+            for i in found] == [(0, "stall", 1, "node-0"), (0, "hang", 1, "node-0"),
+                                (1, "crash", 2, "node-1"), (2, "mismatch", 2, "node-2")], found
+    stall, hang, crash, mismatch = found
+    assert {a["kind"] for a in stall["actions"]} == {"observe"}
+    assert hang["culprit_ranks"] == [1]
+    # the hanging rank was alive: its machine is not evicted
+    assert [a["kind"] for a in hang["actions"]] == ["stop_job", "restart", "resumed"]
+    assert crash["culprit_ranks"] == [2]
+    assert [a["kind"] for a in crash["actions"]] == ["stop_job", "isolate_node", "restart",
+                                                     "resumed"]
+    assert [a["kind"] for a in mismatch["actions"]] == ["stop_job", "give_up"]
 
 
 def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> None:
@@ -66,15 +70,3 @@ def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> No
     later = incidents[2:]
     assert all(i["attempt"] == 1 and [a["kind"] for a in i["actions"]] == ["observe"]
                for i in later), later
-
-
-def test_op_mismatch_names_the_odd_rank_and_stops(tmp_path: Path) -> None:
-    outcome, incidents = run_job(tmp_path, "mismatch", "--steps", "200", "--step-sleep-ms",
-                                 "10", "--fault", "mismatch", "--fault-rank", "2",
-                                 "--fault-step", "30")
-    assert outcome["completed"] is False
-    (incident,) = beside_observed_stragglers(incidents)
-    assert incident["kind"] == "mismatch"
-    assert incident["culprit_ranks"][0] == 2
-    assert incident["culprit_nodes"][0] == "node-1"
-    assert [a["kind"] for a in incident["actions"]] == ["stop_job", "give_up"]

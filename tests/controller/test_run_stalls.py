@@ -44,7 +44,8 @@ def test_checkpoint_evaluation_slow_first_step_and_data_loading_are_stalls(
     restarted."""
     outcome, incidents = run_job(
         tmp_path, "stalls", "--steps", "300", "--stall", "first-step@2:0",
-        "--stall", "checkpoint@0:60", "--stall", "eval@0:150", "--stall", "dataload@3:240")
+        "--stall", "checkpoint@0:60", "--stall", "eval@0:150", "--stall", "dataload@3:240",
+        extra=("--no-warm-spares",))  # no restart to make faster: no spares to start
     assert outcome["completed"] is True, outcome
     assert outcome["attempts"] == 1, outcome
     # Nothing but observations: four ranks share two cores here, and a busy rank may also be

@@ -48,8 +48,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 JOB = JobId("outage")
 OUTAGE_S = 15.0
 RETRY_MAX_S = 2.0
-STEPS = 1500
-STEP_SLEEP_MS = 30  # at most ~33 steps/s: 1500 steps outlast the outage by half a minute or more
+STEPS = 1000
+STEP_SLEEP_MS = 30  # at most ~33 steps/s: 1000 steps outlast the outage by a quarter minute
 SLICES = 6
 
 
