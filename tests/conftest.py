@@ -35,17 +35,11 @@ from tracehound.tracing.store import TraceStore, open_store
 
 CLICKHOUSE_URL_ENV = "TRACEHOUND_TEST_CLICKHOUSE_URL"
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests of the store's cluster mode share the test server's shard databases: they all go
-    to one xdist worker, one after the other (`--dist loadgroup`), and carry the marker
-    `clickhouse_cluster` (the serial lane leaves them to the parallel one)."""
-    for item in items:
-        names = set(getattr(item, "fixturenames", ()))
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if names & {"cluster_url", "test_cluster"} or "cluster" in params.values():
-            item.add_marker(pytest.mark.clickhouse_cluster)
-            item.add_marker(pytest.mark.xdist_group("clickhouse-cluster"))
+CLUSTER_MARKS = (pytest.mark.clickhouse_server, pytest.mark.clickhouse_cluster,
+                 pytest.mark.xdist_group("clickhouse-cluster"))
+"""The marks of every test of the store's cluster mode: they share the test server's shard
+databases, so they all go to one xdist worker, one after the other (`--dist loadgroup`), and the
+serial lane leaves them to the parallel one (`clickhouse_cluster`)."""
 
 
 E2E_PROGRAMS = ("torchrun", "chromium", "streamlit", "tracehound.agent.node",
@@ -147,7 +141,7 @@ def test_cluster(clickhouse_url: str) -> str:
 @pytest.fixture(
     params=[
         pytest.param("server", marks=pytest.mark.clickhouse_server, id="server"),
-        pytest.param("cluster", marks=pytest.mark.clickhouse_server, id="cluster"),
+        pytest.param("cluster", marks=CLUSTER_MARKS, id="cluster"),
         pytest.param("embedded", id="embedded"),
     ]
 )

@@ -33,6 +33,9 @@ from tracehound.tracing.store.cluster import ClusterLayout, Replica
 from tracehound.tracing.store.schema import COLLECTIVES, HEALTH, table_of, tables
 from tracehound.tracing.store.urls import ClusterDdl, ClusterSpec, parse_server_url
 
+# every test here shares the test server's shard databases with the other cluster-mode tests
+pytestmark = [pytest.mark.clickhouse_cluster, pytest.mark.xdist_group("clickhouse-cluster")]
+
 JOBS = (JobId("job-a"), JobId("job-b"))
 RANKS = range(8)
 SEQS = range(1, 6)
