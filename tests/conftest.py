@@ -42,6 +42,19 @@ databases, so they all go to one xdist worker, one after the other (`--dist load
 serial lane leaves them to the parallel one (`clickhouse_cluster`)."""
 
 
+SHARED_RUNS = ("demo_hang", "demo_crash", "demo_store")
+"""Session fixtures holding a real demo run: the tests that read one go to one xdist worker of
+the e2e lane, so that each run is made once."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # before xdist's worker reads the groups (--dist loadgroup)
+    for item in items:
+        if set(getattr(item, "fixturenames", ())) & set(SHARED_RUNS):
+            item.add_marker(pytest.mark.xdist_group("demo-runs"))
+
+
 E2E_PROGRAMS = ("torchrun", "chromium", "streamlit", "tracehound.agent.node",
                 "tracehound.agent.rank.warmspare", "coverage_job.py", "busy_train.py",
                 "torchrun_job.py", "train_ddp.py", "train_sharded.py", "overhead_job.py")

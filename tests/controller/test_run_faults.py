@@ -30,14 +30,17 @@ def test_a_hang_a_crash_and_a_mismatch_in_successive_attempts(tmp_path: Path) ->
     """One job, one fault an attempt (each scenario needs a job of its own only where it ends
     one): rank 1 hangs at step 40 of attempt 0, asleep outside collectives: alive and
     reporting, so a stall, and a hang once the busy grace (12 s here) has passed, restarted
-    without evicting its machine; rank 2 crashes at step 60 of attempt 1 (resumed from step
-    25): its node is isolated and the job restarts on the spare; at step 80 of attempt 2
-    (resumed from step 50) rank 2, now on the spare node, broadcasts where its peers
-    all-reduce: a mismatch, a bug of the program, so the job is stopped and given up."""
+    without evicting its machine; rank 2 crashes at step 110 of attempt 1 (resumed from step
+    25): its node is isolated and the job restarts on the spare; at step 180 of attempt 2
+    (resumed from step 100) rank 2, now on the spare node, broadcasts where its peers
+    all-reduce: a mismatch, a bug of the program, so the job is stopped and given up. Each
+    fault comes well over a second of training after its attempt resumed, so that every rank's
+    first step has reached the store (the restart's `resumed` action) before the attempt
+    ends."""
     outcome, incidents = run_job(
         tmp_path, "faults", "--steps", "200", "--step-sleep-ms", "20",
-        "--fault-in", "hang:1:40@0", "--fault-in", "crash:2:60@1",
-        "--fault-in", "mismatch:2:80@2", extra=("--busy-grace", "12"))
+        "--fault-in", "hang:1:40@0", "--fault-in", "crash:2:110@1",
+        "--fault-in", "mismatch:2:180@2", extra=("--busy-grace", "12"))
     assert outcome["completed"] is False, outcome
     found = beside_observed_stragglers(incidents)
     assert [(i["attempt"], i["kind"], i["culprit_ranks"][0], i["culprit_nodes"][0])
