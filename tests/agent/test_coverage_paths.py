@@ -98,7 +98,9 @@ def test_ddp_steps_left_unrecorded_are_counted_and_show_who_lags(tmp_path: Path)
     # its own with it: it waits for every member in DDP's broadcast of the BatchNorm buffers)
     seventh = sorted((e.enqueue_us, e.rank) for e in run.events
                      if e.group == "0:ddp" and e.seq == by_rank[0][6])
-    assert seventh[-1][1] == 2 or seventh[-1][0] - seventh[-2][0] < 5_000, seventh
+    ended = {rank: at for at, rank in seventh}
+    # (rank 0 right behind it: a CI run saw 5.8 ms on two shared cores; the busy gap is 2 s)
+    assert seventh[-1][1] == 2 or (seventh[-1][1] == 0 and ended[0] - ended[2] < 250_000), seventh
     assert seventh[-1][0] - seventh[0][0] > 1_500_000, seventh
     counted: dict[int, list[tuple[int, int, int, str]]] = {0: [], 1: [], 2: []}
     for hb in run.beats:

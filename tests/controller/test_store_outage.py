@@ -49,7 +49,8 @@ def test_store_outage_mid_job_loses_nothing_and_stores_nothing_twice(tmp_path: P
     url = server.url
     proc = subprocess.Popen(
         [sys.executable, "-m", "tracehound.controller.cli", "run", "--nnodes", "2",
-         "--nproc-per-node", "1", "--job-id", JOB, "--store", url, "--workdir",
+         "--nproc-per-node", "1", "--no-warm-spares",  # one attempt: no spares to start
+         "--job-id", JOB, "--store", url, "--workdir",
          str(tmp_path / "work"), "--json", training_script(), "--steps", "700",
          "--step-sleep-ms", "30", "--checkpoint-every", "100"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

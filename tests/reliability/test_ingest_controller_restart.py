@@ -91,7 +91,9 @@ class Controller:
         self.work = tmp_path / "work" / job
         cmd = [sys.executable, "-m", "tracehound.controller.cli", "run", "--job-id", job,
                "--store", self.store, "--workdir", str(tmp_path / "work"), "--timeout", "600",
-               "--json", "--nnodes", "2", "--nproc-per-node", "2", str(script), *script_args]
+               "--json", "--nnodes", "2", "--nproc-per-node", "2",
+               "--no-warm-spares",  # one attempt: no spares to start
+               str(script), *script_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         self.lines: list[str] = []
