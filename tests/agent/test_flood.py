@@ -158,18 +158,22 @@ def check_accounting(figures: dict[str, Any], calls: int) -> None:
     assert figures["dropped"] == figures["produced"] - figures["sent"] - figures["pending"]
 
 
-def run_without_agent(tmp_path: Path, calls: int, name: str) -> list[dict[str, Any]]:
-    procs, out = launch(tmp_path, calls=calls, socket_path=tmp_path / "nobody.sock", name=name)
-    return finish(procs, out)
-
-
 @pytest.mark.e2e
 def test_flood_without_an_agent_finishes_with_bounded_memory_and_exact_drops(
     tmp_path: Path,
 ) -> None:
     small, large = 10_000, 50_000
-    few = run_without_agent(tmp_path, small, "few")
-    many = run_without_agent(tmp_path, large, "many")
+    # the two jobs side by side, each in its own directory
+    (tmp_path / "few").mkdir()
+    (tmp_path / "many").mkdir()
+    few_job = launch(tmp_path / "few", calls=small, socket_path=tmp_path / "nobody.sock",
+                     name="few")
+    many_job = launch(tmp_path / "many", calls=large, socket_path=tmp_path / "nobody.sock",
+                      name="many")
+    try:
+        few = finish(*few_job)
+    finally:  # the other job is waited for (and killed at its timeout) either way
+        many = finish(*many_job)
     for figures, calls in [(f, small) for f in few] + [(f, large) for f in many]:
         check_accounting(figures, calls)
         # nothing ever reached an agent: the buffer holds the first BUFFER records, the rest
