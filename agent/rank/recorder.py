@@ -315,6 +315,8 @@ class Recorder:
         self._step_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._resumed_unsent = False
+        """`resume_from` was called since the last beat: the next wake beats at once."""
         self._thread: threading.Thread | None = None
 
     @property
@@ -645,6 +647,10 @@ class Recorder:
         self._start_step = step
         self._step_base = step - self._opt_steps
         self._resumed_us = self.clock()
+        # told at once, not at the next beat: the controller measures the restart by it, and a
+        # rank that stops soon after (a fault early in the attempt) may never beat again
+        self._resumed_unsent = True
+        self._wake.set()
 
     def set_step(self, step: int) -> None:
         """The training script says it has reached `step` now; optimizer steps count on from it."""
@@ -712,12 +718,13 @@ class Recorder:
                 now = self.clock()
                 since = self.pending_since()
                 interval = self.heartbeat_interval_s(now, since)
-                if now - last_beat >= interval * 1e6:
+                resumed, self._resumed_unsent = self._resumed_unsent, False
+                if resumed or now - last_beat >= interval * 1e6:
                     self.heartbeat()
                     last_beat = self.clock()
-                    if interval < self.heartbeat_s and self._nudge is not None:
-                        # a call long in flight: the node agent sees this beat now, not at
-                        # the sink's next send
+                    if (resumed or interval < self.heartbeat_s) and self._nudge is not None:
+                        # a resume, or a call long in flight: the node agent sees this beat
+                        # now, not at the sink's next send
                         self._nudge()
                 if since:
                     # wake at the fast rate while anything is pending: to see it pass

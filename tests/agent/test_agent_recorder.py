@@ -6,6 +6,7 @@ created in the test process, and torch.distributed itself is never patched here)
 from __future__ import annotations
 
 import gc
+import time
 import types
 from typing import Any
 
@@ -452,3 +453,31 @@ def test_the_heartbeat_thread_settles_ddp_buckets_while_the_model_lives() -> Non
     gc.collect()
     rec.poll()
     assert [ref() for ref in rec._settlers] == [None]
+
+
+def test_a_resume_is_beaten_and_sent_at_once_not_at_the_next_interval() -> None:
+    """A rank that resumed from a checkpoint says so in a heartbeat right away (and asks its
+    transport to send it now): the controller measures the restart by it, and a rank stopped
+    soon after its resume would otherwise never report it. The beat interval here is an hour
+    on a clock that stands still: only the resume can cause a beat."""
+
+    class NudgedSink(FakeSink):
+        nudges = 0
+
+        def nudge(self) -> None:
+            self.nudges += 1
+
+    sink = NudgedSink()
+    rec = Recorder(job="job", attempt=1, node="node-a", rank=0, sink=sink, clock=FakeClock(),
+                   heartbeat_s=3600.0, pid=4242)
+    rec.start()
+    try:
+        rec.resume_from(30)
+        deadline = time.monotonic() + 60  # a functional wait for the thread, not a time limit
+        while not sink.of(Heartbeat) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (beat,) = sink.of(Heartbeat)
+        assert beat.start_step == 30 and beat.resumed_us == FakeClock().now
+        assert sink.nudges == 1
+    finally:
+        rec.close()

@@ -129,7 +129,8 @@ def test_killed_while_running_the_job_is_adopted_and_finishes_once(tmp_path: Pat
 
 def test_killed_while_restarting_launches_the_next_attempt_once(tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
-    policy.write_text("version: 1\nrestart_backoff_s: 20\n")
+    # a backoff long enough to be killed in (the kill follows the logged state at once)
+    policy.write_text("version: 1\nrestart_backoff_s: 6\n")
     args = ["--policy", str(policy), "--",
             "--steps", "150", "--step-sleep-ms", "20", "--checkpoint-every", "25",
             "--fault", "crash", "--fault-rank", "2", "--fault-step", "40"]

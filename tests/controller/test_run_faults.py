@@ -64,12 +64,16 @@ def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> No
                                  "10", "--fault", "slow", "--slow-ms", "40", "--fault-rank", "3",
                                  "--fault-step", "20")
     assert outcome["completed"] is True, outcome
-    kinds = [(i["kind"], i["culprit_ranks"][0], i["culprit_nodes"][0]) for i in incidents]
-    assert kinds[:2] == [("straggler", 3, "node-1"), ("straggler", 3, "node-1")], kinds
-    assert [a["kind"] for a in incidents[0]["actions"]] == ["observe"]
-    assert [a["kind"] for a in incidents[1]["actions"]] == ["stop_job", "isolate_node",
-                                                            "restart", "resumed"]
+    acts = [[a["kind"] for a in i["actions"]] for i in incidents]
+    kinds = [(i["kind"], i["culprit_ranks"][0], i["culprit_nodes"][0], a)
+             for i, a in zip(incidents, acts, strict=True)]
+    # a soft fault: watched first, acted on once it repeats (the windows in a row that a busy
+    # CI machine may break up are counted by the policy, not here); nothing acted on but it
+    acted = [n for n, a in enumerate(acts) if a != ["observe"]]
+    assert len(acted) == 1, kinds
+    (n,) = acted
+    assert kinds[n] == ("straggler", 3, "node-1",
+                        ["stop_job", "isolate_node", "restart", "resumed"]), kinds
+    assert ("straggler", 3, "node-1", ["observe"]) in kinds[:n], kinds
     # after the restart without node-1, at most a weak one watched (a CI run: rank 0 at 1.15x)
-    later = incidents[2:]
-    assert all(i["attempt"] == 1 and [a["kind"] for a in i["actions"]] == ["observe"]
-               for i in later), later
+    assert all(i["attempt"] == 1 for i in incidents[n + 1:]), kinds
