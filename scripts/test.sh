@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: static checks beside pytest against a real ClickHouse server and chdb.
+# The whole test suite: static checks, then pytest against a real ClickHouse server and chdb.
 # Installs the ClickHouse server (Debian package) when missing and starts it on a free loopback
 # port unless TRACEHOUND_TEST_CLICKHOUSE_URL names one already; stops it at the end.
 set -euo pipefail
@@ -23,12 +23,11 @@ if [[ "${1:-}" == "--lint-only" ]]; then
 fi
 
 server_pid=""
-checks_pid=""
 parallel_pid=""
 e2e_pid=""
 workdir=$(mktemp -d /tmp/tracehound-test-XXXXXX)
 cleanup() {
-    for lane in "$checks_pid" "$parallel_pid" "$e2e_pid"; do
+    for lane in "$parallel_pid" "$e2e_pid"; do
         if [[ -n "$lane" ]]; then pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; fi
     done
     if [[ -n "$server_pid" ]]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
@@ -36,11 +35,8 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-# The static checks (ruff, mypy, import contracts) run beside the rest; their output comes
-# first in the report at the end.
-checks_log="$workdir/static-checks.log"
-static_checks > "$checks_log" 2>&1 &
-checks_pid=$!
+echo "== static checks"
+static_checks
 
 if ! command -v clickhouse-server >/dev/null 2>&1 && [[ ! -x /usr/bin/clickhouse-server ]]; then
     echo "== installing clickhouse-server (Debian package)"
@@ -74,7 +70,7 @@ if [[ -z "${TRACEHOUND_TEST_CLICKHOUSE_URL:-}" ]]; then
     echo "   $TRACEHOUND_TEST_CLICKHOUSE_URL"
 fi
 
-# Two lanes at once (the static checks beside them for their first minute):
+# Two lanes at once:
 #   lane 1: the tests not marked e2e, in parallel (pytest-xdist, 2 workers); then, one at a
 #           time, the e2e tests of tests/agent and tests/reliability
 #   lane 2: the other e2e tests (tests/controller, tests/ui, ...: the real jobs under
@@ -106,18 +102,14 @@ nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200
 e2e_pid=$!
 parallel_status=0
 e2e_status=0
-checks_status=0
-wait "$checks_pid" || checks_status=$?
-echo "== static checks: exit $checks_status"
-cat "$checks_log"
 wait "$parallel_pid" || parallel_status=$?
 echo "== lane 1 (not e2e in parallel, then e2e of ${LANE1_E2E[*]}): exit $parallel_status after $(( $(date +%s) - started )) s"
 cat "$workdir/lane-parallel.log"
 wait "$e2e_pid" || e2e_status=$?
 echo "== lane 2 (the other e2e tests, one at a time): exit $e2e_status after $(( $(date +%s) - started )) s"
 cat "$workdir/lane-e2e.log"
-if [[ $checks_status -ne 0 || $parallel_status -ne 0 || $e2e_status -ne 0 ]]; then
-    echo "== FAILED: static checks exit $checks_status, lane 1 exit $parallel_status, lane 2 exit $e2e_status"
+if [[ $parallel_status -ne 0 || $e2e_status -ne 0 ]]; then
+    echo "== FAILED: lane 1 exit $parallel_status, lane 2 exit $e2e_status"
     exit 1
 fi
 echo "== passed in $(( $(date +%s) - started )) s"

@@ -23,8 +23,10 @@ class DemoRun:
 
 def run_demo(store: str, job: str, workdir: Path, *fault: str) -> DemoRun:
     done = subprocess.run(
-        [sys.executable, "-m", "tracehound.controller.cli", "demo", *fault, "--store", store,
-         "--workdir", str(workdir), "--job-id", job, "--json"],
+        # 400 steps, not 200: the demo strikes at step 60 once a poll of the store shows it, and
+        # on a machine this busy a poll came too late for 200 (the job had finished untouched)
+        [sys.executable, "-m", "tracehound.controller.cli", "demo", *fault, "--steps", "400",
+         "--store", store, "--workdir", str(workdir), "--job-id", job, "--json"],
         capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     return DemoRun(store, job, json.loads(done.stdout))
