@@ -38,15 +38,14 @@ def stack_words(incident: dict[str, Any]) -> str:
 def test_checkpoint_evaluation_slow_first_step_and_data_loading_are_stalls(
         tmp_path: Path) -> None:
     """One job, four stalls one after the other, each of a different rank's kind of work: rank
-    2's first step is 6 s of CPU work (compilation), rank 0 writes a 6 s checkpoint (at step
-    60) and runs a 6 s evaluation (at step 150), rank 3 waits 6 s for its data (at step 240),
-    each three times the hang threshold (`--hang-after 2`). Each is a stall naming its rank and
-    where it was; nothing is stopped, isolated or restarted."""
+    2's first step is 10 s of CPU work (compilation), rank 0 writes a 12 s checkpoint (at step
+    60) and runs a 12 s evaluation (at step 150), rank 3 waits 12 s for its data (at step 240).
+    Each is a stall naming its rank and where it was; nothing is stopped, isolated or
+    restarted."""
     outcome, incidents = run_job(
-        tmp_path, "stalls", "--steps", "300", "--stall-s", "6", "--stall", "first-step@2:0",
+        tmp_path, "stalls", "--steps", "300", "--stall", "first-step@2:0",
         "--stall", "checkpoint@0:60", "--stall", "eval@0:150", "--stall", "dataload@3:240",
-        # no restart to make faster: no spares to start
-        extra=("--no-warm-spares", "--hang-after", "2"))
+        extra=("--no-warm-spares",))  # no restart to make faster: no spares to start
     assert outcome["completed"] is True, outcome
     assert outcome["attempts"] == 1, outcome
     # Nothing but observations: four ranks share two cores here, and a busy rank may also be
