@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +50,17 @@ def fresh_database_url(server_url: str) -> str:
 
 
 def drop_database(url: str) -> None:
+    """Drop a test's own database after it. A server too busy to answer in time (a CI run: the
+    DROP timed out while both lanes loaded it) leaves the database behind, with a warning that
+    names it; the test's result stands."""
+    from tracehound.tracing.errors import TemporaryStoreError
     from tracehound.tracing.store.server import ClickHouseServerStore
 
     store = ClickHouseServerStore(url)
     try:
         store.drop_database()
+    except TemporaryStoreError as exc:
+        warnings.warn(f"test database left behind: {exc}", stacklevel=2)
     finally:
         store.close()
 
