@@ -228,6 +228,5 @@ def demo_crash(tmp_path_factory: pytest.TempPathFactory, clickhouse_url: str) ->
     """Rank 1 killed with SIGKILL, on the ClickHouse server: read by the demo's own checks and
     by export/load."""
     base = tmp_path_factory.mktemp("demo-crash")
-    store = urlsplit(clickhouse_url)._replace(
-        path=f"/tracehound_demo{uuid.uuid4().hex[:10]}").geturl()
+    store = _with_database(clickhouse_url, f"tracehound_demo{uuid.uuid4().hex[:10]}")
     return run_demo(store, "demo-crash", base / "work", "--fault", "crash", "--rank", "1")

@@ -71,6 +71,9 @@ class Fault:
     attempt: int
     """-1: every attempt."""
 
+    def in_this_attempt(self) -> bool:
+        return self.attempt < 0 or attempt() == self.attempt
+
 
 FAULT_KINDS = ("crash", "hang", "slow", "mismatch")
 
@@ -100,8 +103,7 @@ def faults(args: argparse.Namespace) -> list[Fault]:
 def faulty(args: argparse.Namespace, rank: int, step: int) -> Fault | None:
     """The configured fault that applies to this rank, at this step, in this attempt."""
     for fault in faults(args):
-        if rank == fault.rank and step >= fault.step and (
-                fault.attempt < 0 or attempt() == fault.attempt):
+        if rank == fault.rank and step >= fault.step and fault.in_this_attempt():
             return fault
     return None
 
@@ -123,7 +125,7 @@ def sync_loss(args: argparse.Namespace, rank: int, step: int, loss: torch.Tensor
 def mismatch_at(args: argparse.Namespace, step: int) -> bool:
     """Whether a mismatch fault of this attempt falls on this step (every rank syncs its loss
     there, so that the faulty one's broadcast meets its peers' all_reduce)."""
-    return any(f.kind == "mismatch" and f.step == step and (f.attempt < 0 or attempt() == f.attempt)
+    return any(f.kind == "mismatch" and f.step == step and f.in_this_attempt()
                for f in faults(args))
 
 

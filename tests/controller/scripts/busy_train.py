@@ -64,9 +64,9 @@ def train(args: argparse.Namespace, rank: int) -> None:
     for step in range(args.steps):
         if ("first-step", step) in mine:
             a = torch.randn(256, 256)
-            busy_for(args.stall_s or 10.0, lambda a=a: a @ a)
+            busy_for(10.0, lambda a=a: a @ a)
         if ("dataload", step) in mine:
-            time.sleep(args.stall_s or 12.0)  # the loader waits on storage
+            time.sleep(12.0)  # the loader waits on storage
         if args.scenario == "deadlock" and step == args.at_step and rank == args.rank and (
             attempt() == 0
         ):
@@ -89,11 +89,11 @@ def train(args: argparse.Namespace, rank: int) -> None:
                     f.flush()
                     os.fsync(f.fileno())
 
-            busy_for(args.stall_s or 12.0, write)
+            busy_for(12.0, write)
         if ("eval", step) in mine:
             with torch.no_grad():
                 batch = torch.randn(512, 64)
-                busy_for(args.stall_s or 12.0, lambda batch=batch: model.module(batch))
+                busy_for(12.0, lambda batch=batch: model.module(batch))
 
 
 def pipeline(args: argparse.Namespace, rank: int) -> None:
@@ -133,8 +133,6 @@ def main() -> int:
                         choices=[*STALLS, "deadlock", "pipeline", "stalls"])
     parser.add_argument("--stall", type=stall, action="append", default=[], dest="stalls",
                         metavar="NAME@RANK:STEP")
-    parser.add_argument("--stall-s", type=float, default=None, metavar="S",
-                        help="how long each stall lasts (10 s for a first step, 12 s otherwise)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--at-step", type=int, default=30)
     parser.add_argument("--rank", type=int, default=1)
