@@ -23,6 +23,9 @@ for (`POINT` or `POINT@ATTEMPT`, repeatable), at one of:
                  method (`--untraced-group`): no recorder hook sees that group's collectives
 
 Before it stops, the rank writes the time to --stop-log DIR/stop-<attempt>.json.
+`--mute ATTEMPT` turns rank --stop-rank's recorder off before its process group exists in that
+attempt: nothing of it reaches its node agent (a recorder that never reached the agent, as a
+rank handed to a new process once did), so only what the agent sees from outside is known.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stop-step", type=int, default=10,
                         help="steps after the attempt's first one (default 10)")
     parser.add_argument("--stop-log", type=Path, default=None)
+    parser.add_argument("--mute", type=int, action="append", default=[], metavar="ATTEMPT",
+                        help="rank --stop-rank records nothing in this attempt (repeatable)")
     args = parser.parse_args(argv)
     args.stops = {}
     for spec in args.stop:
@@ -105,6 +110,17 @@ class Stopper:
         print(f"rank {dist.get_rank()}: stopping itself (SIGSTOP) at {point}, step {self.step}",
               flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def mute_recorder() -> None:
+    """Turn this process's recorder off for good (before its process group exists, it has sent
+    nothing yet)."""
+    from tracehound.agent.rank import autoinstall
+
+    recorder = autoinstall.recorder()
+    if recorder is not None:
+        recorder.disable()
+    print(f"rank {os.environ.get('RANK')}: recorder muted in attempt {attempt()}", flush=True)
 
 
 def hook_points(stopper: Stopper, optimizer: torch.optim.Optimizer) -> None:
@@ -171,6 +187,8 @@ def batch_for(step: int, rank: int, args: argparse.Namespace) -> tuple[torch.Ten
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if attempt() in args.mute and int(os.environ.get("RANK", "0")) == args.stop_rank:
+        mute_recorder()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args, world)

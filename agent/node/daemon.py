@@ -14,7 +14,9 @@ a shipper thread sends sealed segments to the sink URL (default $TRACEHOUND_SINK
 ingest endpoint of the process that owns an embedded store. The agent also watches the ranks'
 processes from outside (`agent.procwatch`): a `/proc` sample of each rank every --proc-interval
 seconds (1; 0: off), and a py-spy stack of a rank stuck for --stack-after seconds (2; 0: off),
-repeated every --stack-repeat seconds (30) while it stays stuck; and it polls the node's health
+repeated every --stack-repeat seconds (30) while it stays stuck; with --launch-file, the ranks
+its launcher started are watched from their launch, before (or without) their first heartbeat;
+and it polls the node's health
 sources (`agent.sources`): GPUs through NVML or simulated ones (`agent.gpu`, --gpu) and the host
 (`agent.host`: NIC and InfiniBand links, disk space, memory pressure, load) every
 --health-interval seconds (10; 0: off), and NCCL's own views where asked (`agent.nccl`: RAS
@@ -505,6 +507,11 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
                         help="capture again every this many seconds while it stays stuck")
     parser.add_argument("--py-spy", default=None, metavar="PATH",
                         help="py-spy binary (default: on PATH, else beside this Python)")
+    parser.add_argument("--launch-file", default=None, metavar="FILE",
+                        help="JSON in which the launcher notes the ranks it started (job, "
+                             "attempt, ranks: rank, pid, node), as `tracehound run` writes "
+                             "in WORKDIR/JOB/attempts: this node's ranks are watched from "
+                             "their launch, also one whose recorder never reports")
     health = parser.add_argument_group("health sources")
     health.add_argument("--gpu", default=None, choices=GPU_BACKENDS,
                         help=f"GPU health backend (default: ${TRACEHOUND_GPU}, else "
@@ -655,6 +662,7 @@ def run_agent(args: argparse.Namespace) -> int:
         emit=spool_writer(spool), proc_interval_s=args.proc_interval,
         stack_after_s=args.stack_after, stack_repeat_s=args.stack_repeat,
         capturer=PySpy(find_py_spy(args.py_spy)), job=args.job, node=args.node,
+        launch_file=args.launch_file,
     )
     poller = SourcePoller(sources, spool_writer(spool), job=args.job, node=args.node)
     agent = NodeAgent(

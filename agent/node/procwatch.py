@@ -46,7 +46,7 @@ from tracehound.tracing.events import (
     StackSample,
     now_us,
 )
-from tracehound.tracing.ids import JobId, Rank
+from tracehound.tracing.ids import JobId, NodeId, Rank
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +287,49 @@ def episode(hb: Heartbeat) -> Episode:
     return tuple(sorted((g.group, g.last_enqueued, g.last_completed) for g in hb.groups))
 
 
+# -- the launcher's note ---------------------------------------------------------------------------
+
+
+def read_launch_file(path: str | os.PathLike[str], *, job: str, node: str
+                     ) -> tuple[int, list[tuple[Rank, int, int | None]]]:
+    """The attempt and (rank, pid, start ticks or None) of each rank of `job` on `node` that
+    a launcher noted in `path`: a JSON object with `job`, `attempt` and `ranks`, a list of
+    objects with `rank`, `pid`, `node` and optionally `start` (`/proc/PID/stat` field 22), as
+    `tracehound run` writes for each attempt. Raises ValueError, naming the file and the
+    field, on anything else, and OSError when it cannot be read."""
+    where = os.fspath(path)
+    try:
+        doc = json.loads(Path(path).read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: expected a JSON object with job, attempt and ranks")
+    if doc.get("job") != job:
+        return 0, []  # another job's launches
+    attempt = _count(where, "attempt", doc.get("attempt"))
+    entries = doc.get("ranks")
+    if not isinstance(entries, list):
+        raise ValueError(f"{where}: ranks must be a list, got {type(entries).__name__}")
+    found: list[tuple[Rank, int, int | None]] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or entry.get("node") != node:
+            continue
+        rank, pid = (_count(where, f"ranks[{i}].{name}", entry.get(name))
+                     for name in ("rank", "pid"))
+        start = entry.get("start")
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
+            raise ValueError(f"{where}: ranks[{i}].start must be an integer or null, "
+                             f"got {start!r}")
+        found.append((Rank(rank), pid, start))
+    return attempt, found
+
+
+def _count(where: str, name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}: {name} must be an integer >= 0, got {value!r}")
+    return value
+
+
 # -- the watcher ----------------------------------------------------------------------------------
 
 
@@ -319,6 +362,12 @@ class _Watched:
     """The latest sample found it computing (CPU rate >= ACTIVE_CPU_RATE)."""
     captured_active: bool = False
     """`active` when its stack was last captured."""
+    heard: bool = True
+    """False while the rank is known only from its launcher (`ProcWatcher.expect`): its
+    heartbeat is a stand-in, so its process is sampled but its stack is not judged."""
+    start_ticks: int | None = None
+    """The process's start time as its launcher noted it; a pid that started at another time
+    is not that process (reused)."""
 
 
 ACTIVE_CPU_RATE = 0.5
@@ -347,9 +396,13 @@ class ProcWatcher:
         clock: Callable[[], int] = now_us,
         job: str = "",
         node: str = "",
+        launch_file: str | os.PathLike[str] | None = None,
     ) -> None:
         """`proc_interval_s` 0 turns sampling off, `stack_after_s` 0 turns captures off.
-        `clock` gives wall-clock microseconds, the clock of the ranks' heartbeats."""
+        `clock` gives wall-clock microseconds, the clock of the ranks' heartbeats.
+        `launch_file`: the launcher's note of the ranks it started (`read_launch_file`), read
+        again whenever it changes; the ranks of `job` on `node` in it are watched from then on
+        (`expect`)."""
         self.emit = emit
         self.proc_interval_s = _seconds("proc_interval_s", proc_interval_s)
         self.stack_after_s = _seconds("stack_after_s", stack_after_s)
@@ -366,6 +419,10 @@ class ProcWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._capture_failure_logged = False
+        self.job, self.node = job, node
+        self.launch_file = Path(launch_file) if launch_file is not None else None
+        self._launch_seen: tuple[int, int] | None = None
+        self._launch_error = ""
 
     @property
     def sampling(self) -> bool:
@@ -382,17 +439,8 @@ class ProcWatcher:
         if hb.pid <= 0:
             return
         with self._lock:
-            newest = self._newest_attempt.get(hb.job)
-            if newest is not None and hb.attempt < newest:
+            if not self._current(hb.job, hb.attempt):
                 return  # a late heartbeat of an attempt that was replaced
-            if newest is None or hb.attempt > newest:
-                self._newest_attempt[hb.job] = hb.attempt
-                old = [k for k in self._ranks if k[0] == hb.job and k[1] < hb.attempt]
-                for key in old:
-                    del self._ranks[key]
-                if old:
-                    self.log.info("job %s attempt %d: no longer watching %d ranks of earlier "
-                                  "attempts", hb.job, hb.attempt, len(old))
             key = (hb.job, hb.attempt, hb.rank)
             watched = self._ranks.get(key)
             if watched is None or watched.hb.pid != hb.pid:
@@ -401,8 +449,52 @@ class ProcWatcher:
                 )
                 self._ranks[key] = watched
                 watched.log.info("watching pid %d (attempt %d)", hb.pid, hb.attempt)
-            elif hb.time_us >= watched.hb.time_us:
-                watched.hb = hb
+            elif not watched.heard or hb.time_us >= watched.hb.time_us:
+                if not watched.heard:
+                    watched.log.info("pid %d reports (attempt %d)", hb.pid, hb.attempt)
+                watched.hb, watched.heard = hb, True
+
+    def expect(self, *, job: JobId, attempt: int, node: str, rank: Rank, pid: int,
+               start_ticks: int | None = None) -> None:
+        """Watch a rank's process from its launch, as its launcher noted it, before (or
+        without) any heartbeat: a rank whose recorder never reaches the agent (not installed,
+        its socket unreachable) still has its process state sampled, so a stopped or vanished
+        one is seen. Its stack is not captured until it reports. Ignored for a rank already
+        watched under that pid, and for an attempt older than the newest one seen."""
+        if pid <= 0:
+            return
+        with self._lock:
+            if not self._current(job, attempt):
+                return
+            key = (job, attempt, rank)
+            known = self._ranks.get(key)
+            if known is not None and known.hb.pid == pid:
+                return
+            stand_in = Heartbeat(job=job, attempt=attempt, node=NodeId(node), rank=rank, time_us=0,
+                                 pid=pid, step=0, step_us=0, start_step=0, first_step_us=0,
+                                 dropped=0)
+            watched = _Watched(hb=stand_in, log=logs.JobLogger(log, job=job, node=node,
+                                                                rank=rank),
+                               heard=False, start_ticks=start_ticks)
+            self._ranks[key] = watched
+            watched.log.info("watching pid %d (attempt %d) from its launch, before it reports",
+                             pid, attempt)
+
+    def _current(self, job: JobId, attempt: int) -> bool:
+        """Whether `attempt` is the newest of `job` seen (a newer one ends the watch of the
+        older attempts' ranks); called under the lock."""
+        newest = self._newest_attempt.get(job)
+        if newest is not None and attempt < newest:
+            return False
+        if newest is None or attempt > newest:
+            self._newest_attempt[job] = attempt
+            old = [k for k in self._ranks if k[0] == job and k[1] < attempt]
+            for key in old:
+                del self._ranks[key]
+            if old:
+                self.log.info("job %s attempt %d: no longer watching %d ranks of earlier "
+                              "attempts", job, attempt, len(old))
+        return True
 
     def watched(self) -> list[tuple[_Key, int]]:
         """(job, attempt, rank) and pid of every process still watched."""
@@ -411,8 +503,39 @@ class ProcWatcher:
 
     # -- one round ------------------------------------------------------------------------------
 
+    def _read_launches(self) -> None:
+        """Watch the ranks the launch file lists for this node, when it changed since the last
+        look (a missing file is not an error: the launcher writes it after it started them)."""
+        if self.launch_file is None:
+            return
+        try:
+            st = self.launch_file.stat()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._launch_failed(f"cannot read {self.launch_file}: {exc}")
+            return
+        seen = (st.st_mtime_ns, st.st_size)
+        if seen == self._launch_seen:
+            return
+        try:
+            attempt, ranks = read_launch_file(self.launch_file, job=self.job, node=self.node)
+        except (OSError, ValueError) as exc:
+            self._launch_failed(str(exc))
+            return
+        self._launch_seen, self._launch_error = seen, ""
+        for rank, pid, start in ranks:
+            self.expect(job=JobId(self.job), attempt=attempt, node=self.node, rank=rank,
+                        pid=pid, start_ticks=start)
+
+    def _launch_failed(self, why: str) -> None:
+        if why != self._launch_error:
+            self._launch_error = why
+            self.log.warning("launch file ignored until it changes: %s", why)
+
     def tick(self) -> None:
         """One round: read every watched process, emit the samples, capture the due stacks."""
+        self._read_launches()
         with self._lock:
             work = [(k, w, w.hb.pid) for k, w in self._ranks.items() if not w.gone]
         samples: list[Record] = []
@@ -438,9 +561,8 @@ class ProcWatcher:
 
     def _account(self, watched: _Watched, reading: ProcReading | None, now: int) -> ProcessSample:
         hb, previous = watched.hb, watched.previous
-        reused = previous is not None and reading is not None and (
-            reading.start_ticks != previous.start_ticks
-        )
+        started = previous.start_ticks if previous is not None else watched.start_ticks
+        reused = started is not None and reading is not None and reading.start_ticks != started
         if reading is None or reused:
             watched.gone = True
             watched.log.info("pid %d is gone: no longer watched", hb.pid)
@@ -470,6 +592,8 @@ class ProcWatcher:
 
     def _due(self, watched: _Watched, now: int) -> Suspicion | None:
         """Why to capture this rank's stack now, or None (not suspect, or captured lately)."""
+        if not watched.heard:
+            return None  # no heartbeat yet: nothing to judge it stuck by
         if not watched.joined_us and watched.hb.groups:
             watched.joined_us = watched.hb.time_us
         why = suspicion(watched.hb, now=now, after_us=round(self.stack_after_s * 1e6),

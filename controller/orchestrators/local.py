@@ -211,6 +211,9 @@ class LocalOrchestrator:
         cmd = [
             sys.executable, "-m", "tracehound.agent.node", "--job", plan.job, "--node", node,
             "--socket", str(sock), "--spool", str(spool),
+            # the ranks' pids, once launched: a rank whose recorder never reaches this agent
+            # is still watched (its process stopped or gone is seen)
+            "--launch-file", str(self.pid_file(plan.attempt)),
         ]
         # the sink (a clickhouse:// URL may hold a password) goes in the environment, which only
         # the agent's user can read, not on the command line that `ps` shows everybody

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ from tracehound.agent.node.procwatch import (
     frames_from_dump,
     parse_io,
     parse_stat,
+    read_launch_file,
     suspicion,
 )
 from tracehound.agent.node.spool import Spool
@@ -571,6 +573,78 @@ def test_newer_attempt_replaces_the_older_ones_ranks() -> None:
     assert rig.at(60) == [200]
     assert rig.reader.calls == [200]
     assert {(s.attempt, s.pid) for s in rig.samples() if s.time_us >= T0 + 4 * S} == {(1, 200)}
+
+
+def launches(path: Path, *ranks: dict[str, Any], attempt: int = 0, job: str = JOB) -> None:
+    """Write a launch file as `tracehound run` does (atomically: a new inode each time)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"job": job, "attempt": attempt, "ranks": list(ranks)}))
+    tmp.replace(path)
+
+
+def test_launched_ranks_are_sampled_before_they_report_and_stacks_wait_for_a_heartbeat(
+    tmp_path: Path,
+) -> None:
+    """A rank the launcher noted is watched from its launch: its process state is sampled
+    although it never sent a heartbeat (a recorder that never reached the agent), so a stopped
+    one shows; its stack is not captured until it reports; ranks of other nodes and jobs are
+    not watched; a heartbeat of the same pid takes over the watch."""
+    path = tmp_path / "attempt-0.json"
+    rig = Rig(stack_after_s=2, stack_min_gap_s=5, job=JOB, node=NODE,
+              launch_file=path)
+    assert rig.at(0) == [] and rig.samples() == []  # no file yet: nothing, no error
+    launches(path, {"rank": 0, "pid": 100, "node": NODE, "start": 7},
+             {"rank": 1, "pid": 101, "node": "node-1", "start": 7})
+    assert read_launch_file(path, job="another-job", node=NODE) == (0, [])
+    rig.reader.readings[100] = ProcReading(state="T", cpu_s=1.0, start_ticks=7)
+    assert rig.at(1) == []
+    assert rig.watcher.watched() == [((JOB, 0, Rank(0)), 100)]
+    assert rig.at(30) == []  # silent for 30 s, but never heard: no stack
+    assert [(s.rank, s.pid, s.state, s.node) for s in rig.samples()] == [
+        (0, 100, "T", NODE), (0, 100, "T", NODE)]
+    rig.reader.readings[100] = sleeping(1.0)
+    rig.at(31, beat(pid=100, time_us=T0 + 31 * S))
+    assert rig.watcher.watched() == [((JOB, 0, Rank(0)), 100)]
+    assert rig.at(34) == [100]  # it reports now: silent 3 s, captured
+
+
+def test_a_launched_pid_that_started_at_another_time_is_gone_not_watched(tmp_path: Path) -> None:
+    path = tmp_path / "attempt-1.json"
+    rig = Rig(stack_after_s=0, job=JOB, node=NODE, launch_file=path)
+    rig.at(0, beat(pid=100, time_us=T0))
+    launches(path, {"rank": 0, "pid": 101, "node": NODE, "start": 99}, attempt=1)
+    rig.at(1)  # pid 101 runs a process started at tick 7: the rank's process is not there
+    assert rig.watcher.watched() == []
+    assert [(s.attempt, s.pid, s.state) for s in rig.samples()] == [
+        (0, 100, "S"), (1, 101, "gone")]
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("not json", "not JSON"),
+    ("[1, 2]", "expected a JSON object with job, attempt and ranks"),
+    (json.dumps({"job": JOB, "attempt": -1, "ranks": []}), "attempt must be an integer >= 0"),
+    (json.dumps({"job": JOB, "attempt": 0, "ranks": {}}), "ranks must be a list"),
+    (json.dumps({"job": JOB, "attempt": 0, "ranks": [{"node": NODE, "rank": "0", "pid": 5}]}),
+     "ranks[0].rank must be an integer >= 0, got '0'"),
+    (json.dumps({"job": JOB, "attempt": 0, "ranks": [{"node": NODE, "rank": 0, "pid": 5,
+                                                      "start": 1.5}]}),
+     "ranks[0].start must be an integer or null"),
+])
+def test_a_bad_launch_file_is_named_logged_once_and_watched_ranks_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: str, expected: str,
+) -> None:
+    path = tmp_path / "attempt-0.json"
+    with pytest.raises(ValueError, match=re.escape(expected)) as caught:
+        path.write_text(content)
+        read_launch_file(path, job=JOB, node=NODE)
+    assert str(path) in str(caught.value)
+    rig = Rig(stack_after_s=0, job=JOB, node=NODE, launch_file=path)
+    with caplog.at_level(logging.WARNING):
+        rig.at(0, beat(pid=100, time_us=T0))
+        rig.at(1)
+    warned = [r.getMessage() for r in caplog.records if "launch file" in r.getMessage()]
+    assert len(warned) == 1 and expected in warned[0], warned
+    assert rig.watcher.watched() == [((JOB, 0, Rank(0)), 100)]
 
 
 def test_capture_failures_are_counted_gapped_and_logged_once(

@@ -119,6 +119,24 @@ def test_silence_alone_needs_as_long_and_a_peer_seen_waiting() -> None:
     assert detect_standstill(brief.snapshot, SETTINGS) is None
 
 
+def test_a_stopped_rank_that_never_reported_is_named_from_its_launched_process() -> None:
+    """The shape a CI run found: rank 1, handed to a new process on a spare node, trained and
+    stopped itself, but no heartbeat of it ever reached the store; rank 0 waits in a process
+    group's own `Work.wait()`, which its stack shows as the user's line only (busy, not a
+    collective wait). The node agent samples rank 1's process from its launch (the launcher's
+    note of its pid): stopped, so the standstill is a hang on rank 1. Without that sample the
+    never-reporting rank is frozen by silence alone, which needs a peer seen waiting: nothing."""
+    obs = still_job(12.0, ranks=2, stopped=1, waiting=(), busy=(0,))
+    snap = obs.snapshot
+    launched = replace(snap, heartbeats=tuple(hb for hb in snap.heartbeats if hb.rank != 1))
+    verdict = detect_standstill(launched, SETTINGS)
+    assert verdict is not None and verdict.kind is IncidentKind.HANG
+    assert verdict.culprit_ranks == (1,) and verdict.basis is Basis.STANDSTILL
+    assert "stopped (state T)" in verdict.summary
+    unsampled = replace(launched, processes=tuple(p for p in launched.processes if p.rank != 1))
+    assert detect_standstill(unsampled, SETTINGS) is None
+
+
 def test_nobody_frozen_a_busy_rank_behind_waiting_peers_is_a_stall_then_a_hang() -> None:
     verdict = diagnose_observation(still_job(12.0, stopped=None, busy=(2,)), SETTINGS)
     assert verdict is not None

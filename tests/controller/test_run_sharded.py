@@ -107,18 +107,19 @@ def test_tensor_parallel_functional_collectives_and_the_standstill_alone(
     process group's own method, with the Flight Recorder off (TORCH_FR_BUFFER_SIZE=0): no
     recorder hook sees that group at all. Rank 1 stops before its forward (attempt 0: its peer
     waits in the forward's functional all_reduce) and before the untraced all_reduce (attempt
-    1: nothing traced is pending; the job's standstill alone names it). The store holds the
-    functional collectives with their group, sequence and op."""
+    1: nothing traced is pending; the job's standstill alone names it). In attempt 1 rank 1's
+    recorder is also muted, so nothing of it reaches its node agent (a CI run once met a rank
+    like that, handed to a warm spare on a spare node), and its peer's stack shows only the
+    user's `Work.wait()` line: its node agent, told the ranks' pids by the launcher, still
+    samples its stopped process, which names it. The store holds the functional collectives
+    with their group, sequence and op."""
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     log = tmp_path / "stops"
     outcome, incidents = run_and_list(tmp_path, "tp-stops", [
         "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "2",
-        # cold ranks: a warm spare handed rank 1 on a spare node once reached no node agent
-        # (no records, no process watch), and with its peer inside a Work.wait() (a busy
-        # stack) the stopped attempt went unnoticed; an open defect of warm spares
-        "--no-warm-spares", script(),
+        script(),
         "--layout", "tp", "--steps", "40", "--checkpoint-every", "10", "--untraced-group",
-        "--stop", "forward@0", "--stop", "untraced@1", "--stop-rank", "1",
+        "--stop", "forward@0", "--stop", "untraced@1", "--stop-rank", "1", "--mute", "1",
         "--stop-log", str(log),
     ])
     assert outcome["completed"] is True, outcome
