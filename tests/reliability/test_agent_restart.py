@@ -132,8 +132,15 @@ def test_agent_killed_and_restarted_mid_job_resumes_its_spool_and_loses_nothing(
             assert all(r.poll() is None for r in ranks), "a rank ended before the kill"
             assert time.monotonic() < deadline, "the job never reached step 100"
             time.sleep(0.2)
-        # kill while the open segment holds records the agent accepted and has not shipped
-        while not holds_records(spool):
+        # kill while the spool holds collectives the agent accepted and has not shipped: the
+        # agent is stopped first, so no seal or shipment can empty the spool between the look
+        # and the kill (a CI run once lost that race under load)
+        while True:
+            first.send_signal(signal.SIGSTOP)
+            if holds_records(spool) and spooled_keys(spool):
+                break
+            first.send_signal(signal.SIGCONT)
+            assert time.monotonic() < deadline, "the agent's spool never held a collective"
             time.sleep(0.01)
         first.send_signal(signal.SIGKILL)
         first.wait()
