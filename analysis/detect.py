@@ -419,6 +419,16 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             hard.append(r)
         else:
             busy.append(r)
+    # A root frozen by its silence alone that had entered the collective its peers wait in is
+    # one of the waiters whose reports come late (a loaded machine, a busy node agent), not a
+    # cause, when another root explains the hang: one that never entered it, or whose process
+    # is stopped or gone (a CI run named two such ranks beside a stopped one).
+    explained = [r for r in hard if r in exited
+                 or (r in lag_facts and lag_facts[r].value > 0)
+                 or (r in lives and lives[r].frozen and lives[r].strength[0] == 0)]
+    late = {r for r in hard if r in silent_only and r not in explained
+            and r in lag_facts and lag_facts[r].value == 0} if explained else set()
+    hard = [r for r in hard if r not in late]
     if not hard and busy:
         if longest.waited_us < int(settings.hang.busy_grace_s * _US):
             return _stall(snap, settings, busy=busy, lives=lives, beats=beats,
@@ -489,8 +499,11 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             fact=Fact.SILENT if r in beats and lives[r].strength[0] == 1 else Fact.FROZEN,
             rank=r, node=node_of(r),
             value=_sec(snap.now_us - beats[r].time_us) if r in beats else 0.0,
-            detail=f"rank {r} on node {node_of(r)} is frozen: {lives[r].why}, while its "
-                   "peers wait",
+            detail=(f"rank {r} on node {node_of(r)} is frozen: {lives[r].why}, while its "
+                    "peers wait" if r not in late else
+                    f"rank {r} on node {node_of(r)}: {lives[r].why}, but it had entered the "
+                    "collective its peers wait in: its reports are late, it is not what they "
+                    "wait for"),
         )
         for r in culprits_first(silent)
     ]

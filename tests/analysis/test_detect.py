@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tracehound.analysis import diagnose_observation as diagnose
 from tracehound.analysis.confidence import CERTAIN, STRONG, WEAK
 from tracehound.analysis.detect import detect_crash, detect_hang
 from tracehound.analysis.settings import CrashSettings, DetectionSettings, HangSettings
 from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.verdict import Basis, Fact
-from tracehound.tracing.events import GroupProgress, Heartbeat, IncidentKind, RankExit
+from tracehound.tracing.events import (
+    GroupProgress,
+    Heartbeat,
+    IncidentKind,
+    ProcessSample,
+    RankExit,
+)
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 
 S = 1_000_000
@@ -101,6 +109,34 @@ def test_stopped_inside_the_collective_is_found_by_silence() -> None:
     assert verdict is not None
     assert verdict.culprit_ranks == (1,)
     assert verdict.basis is Basis.HEARTBEAT_LOSS
+
+
+def test_late_reports_of_waiters_beside_a_stopped_rank_do_not_make_them_culprits() -> None:
+    """The shape a CI run found: rank 1 stopped (process state T) before collective #11 that
+    ranks 0, 2 and 3 entered; the heartbeats of ranks 2 and 3 (one node, its agent on a loaded
+    machine) were 3.3 s late. Rank 1 explains the hang; ranks 2 and 3 are waiters whose
+    reports are late, named in the evidence as such, not culprits. Alone (nobody stopped and
+    nobody lagging), the same silence is still a hang on the silent ranks."""
+    stop = T0 + 50 * S
+    now = stop + 6 * S
+    beats = [beat(0, now - S // 5, progress("0", 11, 10, enq_us=stop))]
+    beats += [beat(r, now - 33 * S // 10, progress("0", 11, 10, enq_us=stop)) for r in (2, 3)]
+    beats.append(beat(1, stop - S // 3, progress("0", 10, 10, enq_us=stop - S // 2)))
+    stopped = ProcessSample(
+        job=JobId("j"), attempt=0, node=NodeId(node_of(1)), rank=Rank(1), pid=1001,
+        time_us=now - S // 2, state="T", cpu_s=1.0, cpu_rate=0.0, read_bytes=0, write_bytes=0,
+        io_rate=0.0)
+    verdict = detect_hang(replace(snap(now, beats), processes=(stopped,)), SETTINGS)
+    assert verdict is not None and verdict.kind is IncidentKind.HANG
+    assert verdict.culprit_ranks == (1,) and verdict.confidence == CERTAIN
+    late = {e.rank: e.detail for e in verdict.evidence if e.fact is Fact.SILENT}
+    assert sorted(late) == [2, 3]
+    assert all("its reports are late, it is not what they wait for" in d for d in late.values())
+    # without the stopped rank's sample nor its lag, the silent ones are what is known
+    alone = [b if b.rank != 1 else beat(1, now - S // 5, progress("0", 11, 10, enq_us=stop))
+             for b in beats]
+    silent = detect_hang(snap(now, alone), SETTINGS)
+    assert silent is not None and silent.culprit_ranks == (2, 3)
 
 
 def test_cross_group_dependency_leads_to_the_root() -> None:
