@@ -32,11 +32,16 @@ def instrument(tmp_path: Path, job: str, *script_args: str) -> subprocess.Comple
     )
 
 
-def test_torchrun_ranks_are_traced(tmp_path: Path) -> None:
-    done = instrument(tmp_path, "inst1", "--steps", "20")
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_torchrun_ranks_are_traced_and_the_exit_status_comes_back_with_the_diagnosis(
+        tmp_path: Path) -> None:
+    # rank 1 exits with status 3 once the job's work is done: torchrun reports that failure as
+    # its own exit status 1, and the traces of the attempt are diagnosed (under instrument the
+    # ranks' exit codes are torchrun's to know, not stored)
+    done = instrument(tmp_path, "inst1", "--steps", "20", "--exit-code", "3")
+    assert done.returncode == 1, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (report["job"], report["node"], report["exit_status"]) == ("inst1", "host-a", 0)
+    assert (report["job"], report["node"], report["exit_status"]) == ("inst1", "host-a", 1)
+    assert report["diagnosis"]["job"] == "inst1" and report["diagnosis"]["attempt"] == 0
     assert report["agent"]["shipped"] > 0 and report["agent"]["rejected"] == 0
     store = open_store(f"chdb://{tmp_path / 'store'}")
     try:
@@ -52,16 +57,6 @@ def test_torchrun_ranks_are_traced(tmp_path: Path) -> None:
         assert pair[0] == pair[1] == [20] and pair[2] == []
     finally:
         store.close()
-
-
-def test_the_exit_status_comes_back_with_the_stored_diagnosis(tmp_path: Path) -> None:
-    # torchrun reports rank 1's failure as its own exit status 1; the traces of the attempt are
-    # diagnosed (under instrument the ranks' exit codes are torchrun's to know, not stored)
-    done = instrument(tmp_path, "inst2", "--steps", "10", "--exit-code", "3")
-    assert done.returncode == 1, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["exit_status"] == 1
-    assert report["diagnosis"]["job"] == "inst2" and report["diagnosis"]["attempt"] == 0
 
 
 def test_env_prints_the_variables(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
-"""A small gloo job for torchrun: all-reduces on the world and on a sub-group, then exits with
-the status given by --exit-code on rank 1 (0: every rank exits cleanly)."""
+"""A small gloo job for torchrun: all-reduces on the world and on a sub-group, then, once every
+rank is done, exits with the status given by --exit-code on rank 1 (0: every rank exits
+cleanly)."""
 
 import argparse
-import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,8 @@ for _ in range(args.steps):
     dist.all_reduce(t)
     if rank < 2:
         dist.all_reduce(t, group=pair)
-if args.exit_code and rank == 1:
-    os._exit(args.exit_code)
 dist.barrier()
 dist.destroy_process_group()
 print(f"rank {rank}/{world} done", flush=True)
+if args.exit_code and rank == 1:
+    sys.exit(args.exit_code)
