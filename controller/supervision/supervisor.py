@@ -448,6 +448,21 @@ class Supervisor:
                 incident_id=incident.incident_id,
                 attempt=latest.attempt + (latest.state in ACTING),
                 fault_us=incident.detected_at_us, detected_us=incident.detected_at_us)
+        elif latest.attempt > 0:
+            # an earlier controller restarted the job into this attempt and was gone before
+            # its first steps were measured: the incident still waits for its `resumed`
+            restarted = next((
+                i for i in reversed(history.incidents)
+                if i.attempt == latest.attempt - 1
+                and any(ActionKind(a.kind) is ActionKind.RESTART and a.ok
+                        and a.time_us >= since for a in i.actions)
+                and not any(ActionKind(a.kind) is ActionKind.RESUMED for a in i.actions)), None)
+            if restarted is not None:
+                if self.notify is not None:
+                    self._open.append(restarted)  # announced by the earlier controller
+                self._pending_restart = PendingRestart(
+                    incident_id=restarted.incident_id, attempt=latest.attempt,
+                    fault_us=restarted.detected_at_us, detected_us=restarted.detected_at_us)
 
     def _remember_watched(self, history: History, attempt: int) -> None:
         """What was being watched in the adopted attempt: recorded once, not again."""

@@ -201,6 +201,9 @@ KILLS = {
     "isolating, node isolated": when_action(ActionKind.ISOLATE_NODE),
     "restarting": when_state(JobPhase.RESTARTING, 1),
     "restart recorded": when_action(ActionKind.RESTART),
+    # attempt 1 launched and running, its first steps not yet measured: the incident still
+    # waits for its `resumed`, which the next controller records
+    "running again": when_state(JobPhase.RUNNING, 1),
 }
 
 
@@ -248,7 +251,7 @@ def test_a_controller_killed_mid_recovery_finishes_it_exactly_once(
     assert incident.kind == "hang" and incident.culprit_nodes == ("node-1",)
     kinds = [a.kind for a in incident.actions]
     assert kinds[:3] == [ActionKind.STOP_JOB, ActionKind.ISOLATE_NODE, ActionKind.RESTART]
-    assert set(kinds[3:]) <= {ActionKind.RESUMED} and len(kinds) <= 4
+    assert kinds[3:] == [ActionKind.RESUMED], kinds
     assert [a.target for a in incident.actions][:3] == ["attempt 0", "node-1", "attempt 1"]
     assert not world.running, "nothing left running"
 
