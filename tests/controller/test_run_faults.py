@@ -60,7 +60,11 @@ def test_a_hang_a_crash_and_a_mismatch_in_successive_attempts(tmp_path: Path) ->
 def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> None:
     # found from the steps' `ddp_comm` of the counted group (the default): who arrives last,
     # and the compute between steps
-    outcome, incidents = run_job(tmp_path, "straggler", "--steps", "800", "--step-sleep-ms",
+    # 1200 steps: attempt 0 runs until the straggler is acted on (about 50 ms a step behind
+    # the slowed rank), the rest goes at full speed on the spare. On a CI machine with both
+    # lanes busy, the straggler was named in windows 21 s apart, never two in a row, and an
+    # 800-step job ended first (47 s)
+    outcome, incidents = run_job(tmp_path, "straggler", "--steps", "1200", "--step-sleep-ms",
                                  "10", "--fault", "slow", "--slow-ms", "40", "--fault-rank", "3",
                                  "--fault-step", "20")
     assert outcome["completed"] is True, outcome
