@@ -8,7 +8,9 @@ fresh embedded store, --runs times each:
   0), inside clip_grad_norm_ before its functional all_reduce (1), in the optimizer step (2) and
   before an all_reduce made through a process group's own method (3);
 - tensor parallel, 2 nodes x 1 rank, the Flight Recorder off: rank 1 stops before its forward
-  (attempt 0) and before the untraced all_reduce (1), which only the job's standstill shows.
+  (attempt 0) and before the untraced all_reduce (1), which only the job's standstill shows;
+- the same tensor-parallel job with rank 1's recorder muted in attempt 1 (`--mute 1`): nothing
+  of it reaches its node agent, which knows its pid only from the launcher's note.
 
 For every stop it prints the time from the stop (the rank's own clock, written just before it
 stops) to the incident, the verdict's kind, culprit and basis, and whether the next attempt
@@ -39,6 +41,9 @@ JOBS = {
     "tp": (["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "2"],
            ["--layout", "tp", "--steps", "40", "--untraced-group", "--stop", "forward@0",
             "--stop", "untraced@1"], {"TORCH_FR_BUFFER_SIZE": "0"}),
+    "tp-muted": (["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "2"],
+                 ["--layout", "tp", "--steps", "40", "--untraced-group", "--stop", "forward@0",
+                  "--stop", "untraced@1", "--mute", "1"], {"TORCH_FR_BUFFER_SIZE": "0"}),
 }
 
 
