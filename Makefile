@@ -9,8 +9,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The exact CPU build first: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[all,dev]'
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[all,dev]'
+	# pip byte-compiles on one core; this uses every core. A file meant for a newer Python
+	# (torch ships one) does not compile: pip skips such files too, so the status is not kept.
+	$(PY) -m compileall -q -q -j 0 $(VENV)/lib || true
 	touch $(STAMP)
 
 setup: $(STAMP)
