@@ -16,6 +16,7 @@ used in cluster mode only if it defines a cluster of that name.
 from __future__ import annotations
 
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -45,6 +46,30 @@ serial lane leaves them to the parallel one (`clickhouse_cluster`)."""
 SHARED_RUNS = ("demo_hang", "demo_crash", "demo_store")
 """Session fixtures holding a real demo run: the tests that read one go to one xdist worker of
 the e2e lane, so that each run is made once."""
+
+
+CPU_REPORT_ENV = "TRACEHOUND_TEST_CPU_REPORT"
+"""A file to which each test appends a line `<own CPU s> <children's CPU s> <test id>` (CI is
+CPU-bound on two cores, so CPU seconds, not durations, say what a test costs). The children's
+seconds are those of the processes the test's process reaped (with their own reaped
+descendants): a daemon, such as a ClickHouse server, is not counted."""
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                          resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    report = os.environ.get(CPU_REPORT_ENV)
+    before = _cpu_seconds() if report else (0.0, 0.0)
+    yield
+    if report:
+        own, children = (after - was for after, was in zip(_cpu_seconds(), before, strict=True))
+        with open(report, "a") as out:
+            out.write(f"{own:8.2f} {children:8.2f} {item.nodeid}\n")
 
 
 @pytest.hookimpl(tryfirst=True)
