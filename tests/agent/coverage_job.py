@@ -418,7 +418,12 @@ def untraced(rank: int, world: int) -> None:
     """Collectives no wrapper sees, each waited in for about 3 s by rank 0 while rank 1 is busy:
     an all_reduce through a process group's own method, then one inside a torch.compile'd
     function (the graph calls funcol's C++ ops itself). Rank 0's heartbeats must show each as
-    pending in the group's backend progress (`<group>:c10d`)."""
+    pending in the group's backend progress (`<group>:c10d`).
+
+    The function is compiled with the `aot_eager` backend: its graph calls funcol's C++ ops
+    (`_c10d_functional.all_reduce`, `wait_tensor`) past every Python wrapper, as inductor's
+    generated code does (with the in-place `all_reduce_`); inductor would add only its C++
+    compile of `x * 2 + 1`, most of this scenario's 49 s on two shared cores."""
     import torch.distributed._functional_collectives as funcol
 
     side = dist.new_group(list(range(world)))
@@ -430,7 +435,7 @@ def untraced(rank: int, world: int) -> None:
     side.allreduce([torch.ones(4)]).wait()
     fact(kind="method_left_us", t=time.time_ns() // 1000)
 
-    @torch.compile
+    @torch.compile(backend="aot_eager")
     def twice_summed(x: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(x * 2, "sum", side) + 1
 
