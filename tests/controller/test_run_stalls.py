@@ -64,7 +64,7 @@ def test_checkpoint_evaluation_slow_first_step_and_data_loading_are_stalls(
 
 def test_the_frozen_side_of_a_p2p_pair_is_named_first(tmp_path: Path) -> None:
     outcome, incidents = run_job(tmp_path, "p2p", "--scenario", "pipeline", "--steps", "60",
-                                 "--at-step", "20", nproc=1)
+                                 "--at-step", "20", nproc=1, extra=("--no-warm-spares",))
     assert outcome["completed"] is True, outcome
     hangs = [i for i in incidents if i["kind"] == "hang"]
     assert len(hangs) == 1, incidents
@@ -82,7 +82,7 @@ def test_a_user_code_deadlock_outside_collectives_is_a_hang_after_the_busy_grace
     # has the deadlocked rank's stack: at 2 s and 8 s a CI run with both lanes busy went
     # straight to the hang, so the default threshold and a 15 s grace, as it passed before
     outcome, incidents = run_job(tmp_path, "deadlock", "--scenario", "deadlock", "--rank", "1",
-                                 extra=("--busy-grace", "15"))
+                                 extra=("--busy-grace", "15", "--no-warm-spares"))
     assert outcome["completed"] is True, outcome
     assert outcome["attempts"] == 2, outcome
     kinds = [i["kind"] for i in incidents]
