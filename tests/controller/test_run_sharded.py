@@ -84,7 +84,8 @@ def test_fsdp2_rank_stopped_in_all_gather_clip_optimizer_and_an_untraced_group(
     outcome, incidents = run_and_list(tmp_path, "fsdp-stops", [
         # cold restarts: the TP job below hands its ranks to warm spares
         "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "4", "--max-restarts", "4",
-        "--no-warm-spares", script(), "--layout", "fsdp", "--steps", "55", "--checkpoint-every", "10",
+        "--no-warm-spares",
+        script(), "--layout", "fsdp", "--steps", "55", "--checkpoint-every", "10",
         "--untraced-group", "--stop", "all_gather@0", "--stop", "clip@1", "--stop", "optim@2",
         "--stop", "untraced@3", "--stop-rank", "1", "--stop-log", str(log),
     ])
