@@ -439,15 +439,12 @@ class Supervisor:
                            for n in {*latest.isolated, *reasons}})
         self._restart_times = history.times(ActionKind.RESTART, since)
         self._isolation_times = history.times(ActionKind.ISOLATE_NODE, since)
-        incident = history.incident(latest.incident_id) if latest.incident_id else None
-        if incident is not None and latest.state not in WATCHING:
-            self._incidents.append(incident)
-            if self.notify is not None:
-                self._open.append(incident)  # announced by the earlier controller
-            self._pending_restart = PendingRestart(
-                incident_id=incident.incident_id,
-                attempt=latest.attempt + (latest.state in ACTING),
-                fault_us=incident.detected_at_us, detected_us=incident.detected_at_us)
+        # the incident whose recovery is under way, and the attempt whose first steps end it
+        pending: tuple[Incident, int] | None = None
+        acting = history.incident(latest.incident_id) if latest.incident_id else None
+        if acting is not None and latest.state not in WATCHING:
+            self._incidents.append(acting)
+            pending = acting, latest.attempt + (latest.state in ACTING)
         elif latest.attempt > 0:
             # an earlier controller restarted the job into this attempt and was gone before
             # its first steps were measured: the incident still waits for its `resumed`
@@ -458,11 +455,14 @@ class Supervisor:
                         and a.time_us >= since for a in i.actions)
                 and not any(ActionKind(a.kind) is ActionKind.RESUMED for a in i.actions)), None)
             if restarted is not None:
-                if self.notify is not None:
-                    self._open.append(restarted)  # announced by the earlier controller
-                self._pending_restart = PendingRestart(
-                    incident_id=restarted.incident_id, attempt=latest.attempt,
-                    fault_us=restarted.detected_at_us, detected_us=restarted.detected_at_us)
+                pending = restarted, latest.attempt
+        if pending is not None:
+            incident, attempt = pending
+            if self.notify is not None:
+                self._open.append(incident)  # announced by the earlier controller
+            self._pending_restart = PendingRestart(
+                incident_id=incident.incident_id, attempt=attempt,
+                fault_us=incident.detected_at_us, detected_us=incident.detected_at_us)
 
     def _remember_watched(self, history: History, attempt: int) -> None:
         """What was being watched in the adopted attempt: recorded once, not again."""
