@@ -12,10 +12,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -354,7 +356,18 @@ def test_busy_child_shows_cpu_rate(spawn: Callable[..., subprocess.Popen[bytes]]
 def test_writing_child_shows_write_bytes_growing(
     spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path,
 ) -> None:
-    child = spawn(WRITER, str(tmp_path / "out.bin"))
+    # write_bytes counts what goes to a block device, and tmpfs (where `make test` puts
+    # tmp_path) has none: the child writes under /var/tmp, on disk
+    on_disk = Path(tempfile.mkdtemp(dir="/var/tmp")) if os.path.isdir("/var/tmp") else tmp_path
+    try:
+        watch_a_writer(spawn, on_disk / "out.bin")
+    finally:
+        if on_disk != tmp_path:
+            shutil.rmtree(on_disk, ignore_errors=True)
+
+
+def watch_a_writer(spawn: Callable[..., subprocess.Popen[bytes]], path: Path) -> None:
+    child = spawn(WRITER, str(path))
     first = ProcFs().read(child.pid)
     if first is None or not first.io_known:
         pytest.skip("/proc/PID/io is not readable here")

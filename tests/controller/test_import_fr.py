@@ -149,14 +149,15 @@ def test_help_shows_an_example() -> None:
 def test_torchs_analyzer_names_no_culprit_on_the_same_dumps(tmp_path: Path) -> None:
     """What `python -m torch.distributed.flight_recorder.fr_trace` makes of the golden dumps
     (Tracehound's verdicts on them are the tests above): it stops on the missing rank of the
-    hang, and otherwise fails on gloo's empty pg_config."""
+    hang, and otherwise fails on gloo's empty pg_config (on the first rank it reads, which
+    depends on the directory's order)."""
     hang = fr_trace(GOLDEN / "hang" / "dumps")
     assert hang.returncode != 0
     assert "Missing dump files from ranks {1}" in hang.stderr
     partial = fr_trace(GOLDEN / "hang" / "dumps", "--allow-incomplete-ranks")
-    assert partial.returncode != 0 and "KeyError: ('0', 0)" in partial.stderr
+    assert partial.returncode != 0 and "KeyError: ('0', " in partial.stderr
     mismatch = fr_trace(GOLDEN / "mismatch" / "dumps")
-    assert mismatch.returncode != 0 and "KeyError: ('0', 0)" in mismatch.stderr
+    assert mismatch.returncode != 0 and "KeyError: ('0', " in mismatch.stderr
     # It reads pickles only: the JSON crash dumps, as they are and converted.
     crash = fr_trace(GOLDEN / "crash" / "dumps")
     assert crash.returncode != 0 and "UnpicklingError" in crash.stderr
@@ -165,7 +166,7 @@ def test_torchs_analyzer_names_no_culprit_on_the_same_dumps(tmp_path: Path) -> N
     for f in (GOLDEN / "crash" / "dumps").iterdir():
         (converted / f.name).write_bytes(pickle.dumps(json.loads(f.read_text())))
     crash2 = fr_trace(converted, "--allow-incomplete-ranks")
-    assert crash2.returncode != 0 and "KeyError: ('0', 0)" in crash2.stderr
+    assert crash2.returncode != 0 and "KeyError: ('0', " in crash2.stderr
 
 
 def make_dumps(scenario: str, outdir: Path, *args: str) -> dict[str, Any]:
