@@ -147,8 +147,12 @@ def test_fast_counted_steps_are_recorded_about_one_a_span_the_same_on_every_rank
         assert len({b - a for a, b in itertools.pairwise(tail)}) == 1, seqs
         # far fewer than the steps, and more than one a second of the job
         assert 6 < len(seqs) < 150, seqs
+    # the coarsest rank's steps are the others' too (a multiple of a larger power of two is one
+    # of every smaller); how long a rank keeps a finer pace than its peers depends on the load
+    # (a CI run: rank 1 alone skipped step 16 of 0, 4, 16, 24, ...)
     common = set.intersection(*(set(seqs) for seqs in recorded.values()))
-    assert all(len(common) >= 0.8 * len(seqs) for seqs in recorded.values()), (common, recorded)
+    coarsest = min(len(seqs) for seqs in recorded.values())
+    assert len(common) >= 0.8 * coarsest, (common, recorded)
     last = {hb.rank: max((g.last_enqueued, g.last_completed) for g in hb.groups
                          if g.group == "0:ddp")
             for hb in sorted(run.beats, key=lambda hb: hb.time_us)
