@@ -20,7 +20,10 @@ def run_job(tmp_path: Path, job: str, *script_args: str,
     from tracehound.controller.cli.demo import training_script
 
     return run_and_list(tmp_path, job, [
-        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", *extra,
+        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+        # cold restarts: warm spares are tested in test_warm_spares.py, and the last attempt's
+        # four would import torch for nothing (about 10 CPU-s on this two-core machine)
+        "--no-warm-spares", *extra,
         training_script(),
         "--checkpoint-every", "25", "--pg-timeout-s", "300", *script_args,
     ])
@@ -40,10 +43,7 @@ def test_a_hang_a_crash_and_a_mismatch_in_successive_attempts(tmp_path: Path) ->
     outcome, incidents = run_job(
         tmp_path, "faults", "--steps", "200", "--step-sleep-ms", "20",
         "--fault-in", "hang:1:40@0", "--fault-in", "crash:2:110@1",
-        "--fault-in", "mismatch:2:180@2",
-        # cold restarts: warm spares are tested in test_warm_spares.py, and the last attempt's
-        # four would import torch for nothing (about 10 CPU-s on this two-core machine)
-        extra=("--busy-grace", "12", "--no-warm-spares"))
+        "--fault-in", "mismatch:2:180@2", extra=("--busy-grace", "12"))
     assert outcome["completed"] is False, outcome
     found = beside_observed_stragglers(incidents)
     assert [(i["attempt"], i["kind"], i["culprit_ranks"][0], i["culprit_nodes"][0])
@@ -69,7 +69,7 @@ def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> No
     # 800-step job ended first (47 s)
     outcome, incidents = run_job(tmp_path, "straggler", "--steps", "1200", "--step-sleep-ms",
                                  "10", "--fault", "slow", "--slow-ms", "40", "--fault-rank", "3",
-                                 "--fault-step", "20", extra=("--no-warm-spares",))
+                                 "--fault-step", "20")
     assert outcome["completed"] is True, outcome
     acts = [[a["kind"] for a in i["actions"]] for i in incidents]
     kinds = [(i["kind"], i["culprit_ranks"][0], i["culprit_nodes"][0], a)

@@ -25,7 +25,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "busy_train.py"
 def run_job(tmp_path: Path, job: str, *script_args: str, nproc: int = 2,
             extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return run_and_list(tmp_path, job, [
-        "--nnodes", "2", "--nproc-per-node", str(nproc), "--spare-nodes", "1", *extra,
+        "--nnodes", "2", "--nproc-per-node", str(nproc), "--spare-nodes", "1",
+        # cold restarts where there are any: warm spares are tested in test_warm_spares.py,
+        # and a job's last spares would import torch for nothing
+        "--no-warm-spares", *extra,
         str(SCRIPT), "--workdir", str(tmp_path), *script_args,
     ])
 
@@ -44,8 +47,7 @@ def test_checkpoint_evaluation_slow_first_step_and_data_loading_are_stalls(
     restarted."""
     outcome, incidents = run_job(
         tmp_path, "stalls", "--steps", "300", "--stall", "first-step@2:0",
-        "--stall", "checkpoint@0:60", "--stall", "eval@0:150", "--stall", "dataload@3:240",
-        extra=("--no-warm-spares",))  # no restart to make faster: no spares to start
+        "--stall", "checkpoint@0:60", "--stall", "eval@0:150", "--stall", "dataload@3:240")
     assert outcome["completed"] is True, outcome
     assert outcome["attempts"] == 1, outcome
     # Nothing but observations: four ranks share two cores here, and a busy rank may also be
@@ -64,7 +66,7 @@ def test_checkpoint_evaluation_slow_first_step_and_data_loading_are_stalls(
 
 def test_the_frozen_side_of_a_p2p_pair_is_named_first(tmp_path: Path) -> None:
     outcome, incidents = run_job(tmp_path, "p2p", "--scenario", "pipeline", "--steps", "60",
-                                 "--at-step", "20", nproc=1, extra=("--no-warm-spares",))
+                                 "--at-step", "20", nproc=1)
     assert outcome["completed"] is True, outcome
     hangs = [i for i in incidents if i["kind"] == "hang"]
     assert len(hangs) == 1, incidents
@@ -82,7 +84,7 @@ def test_a_user_code_deadlock_outside_collectives_is_a_hang_after_the_busy_grace
     # has the deadlocked rank's stack: at 2 s and 8 s a CI run with both lanes busy went
     # straight to the hang, so the default threshold and a 15 s grace, as it passed before
     outcome, incidents = run_job(tmp_path, "deadlock", "--scenario", "deadlock", "--rank", "1",
-                                 extra=("--busy-grace", "15", "--no-warm-spares"))
+                                 extra=("--busy-grace", "15"))
     assert outcome["completed"] is True, outcome
     assert outcome["attempts"] == 2, outcome
     kinds = [i["kind"] for i in incidents]
