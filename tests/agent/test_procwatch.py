@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -358,30 +357,23 @@ def test_writing_child_shows_write_bytes_growing(
 ) -> None:
     # write_bytes counts what goes to a block device, and tmpfs (where `make test` puts
     # tmp_path) has none: the child writes under /var/tmp, on disk
-    on_disk = Path(tempfile.mkdtemp(dir="/var/tmp")) if os.path.isdir("/var/tmp") else tmp_path
-    try:
-        watch_a_writer(spawn, on_disk / "out.bin")
-    finally:
-        if on_disk != tmp_path:
-            shutil.rmtree(on_disk, ignore_errors=True)
+    where = "/var/tmp" if os.path.isdir("/var/tmp") else tmp_path
+    with tempfile.TemporaryDirectory(dir=where) as on_disk:
+        child = spawn(WRITER, str(Path(on_disk) / "out.bin"))
+        first = ProcFs().read(child.pid)
+        if first is None or not first.io_known:
+            pytest.skip("/proc/PID/io is not readable here")
+        records: list[Record] = []
+        watcher = real_watcher(records, stack_after_s=0)
+        watcher.observe(beat(pid=child.pid, time_us=now_us()))
 
+        def growing() -> bool:
+            watcher.tick()
+            mine = samples_of(records, child.pid)
+            return len(mine) >= 2 and mine[-1].write_bytes > mine[0].write_bytes and any(
+                s.io_rate > 0 for s in mine)
 
-def watch_a_writer(spawn: Callable[..., subprocess.Popen[bytes]], path: Path) -> None:
-    child = spawn(WRITER, str(path))
-    first = ProcFs().read(child.pid)
-    if first is None or not first.io_known:
-        pytest.skip("/proc/PID/io is not readable here")
-    records: list[Record] = []
-    watcher = real_watcher(records, stack_after_s=0)
-    watcher.observe(beat(pid=child.pid, time_us=now_us()))
-
-    def growing() -> bool:
-        watcher.tick()
-        mine = samples_of(records, child.pid)
-        return len(mine) >= 2 and mine[-1].write_bytes > mine[0].write_bytes and any(
-            s.io_rate > 0 for s in mine)
-
-    assert poll(growing, every=0.2)
+        assert poll(growing, every=0.2)
 
 
 # -- py-spy on real processes -----------------------------------------------------------------
