@@ -29,4 +29,5 @@ def run_demo(store: str, job: str, workdir: Path, *fault: str) -> DemoRun:
          "--store", store, "--workdir", str(workdir), "--job-id", job, "--json"],
         capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "is not a transition of the job's state machine" not in done.stderr, done.stderr
     return DemoRun(store, job, json.loads(done.stdout))

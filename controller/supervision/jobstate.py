@@ -46,10 +46,11 @@ ACTING = frozenset({JobPhase.DIAGNOSING, JobPhase.ISOLATING})
 NEXT: dict[JobPhase, frozenset[JobPhase]] = {
     JobPhase.RUNNING: frozenset({JobPhase.SUSPECT, JobPhase.STALLED, JobPhase.DIAGNOSING,
                                  JobPhase.RESTARTING, *TERMINAL}),
-    JobPhase.SUSPECT: frozenset({JobPhase.RUNNING, JobPhase.STALLED, JobPhase.DIAGNOSING,
-                                 JobPhase.RESTARTING, *TERMINAL}),
-    JobPhase.STALLED: frozenset({JobPhase.RUNNING, JobPhase.SUSPECT, JobPhase.DIAGNOSING,
-                                 JobPhase.RESTARTING, *TERMINAL}),
+    # (suspect or stalled again: another incident observed before the first one's calm)
+    JobPhase.SUSPECT: frozenset({JobPhase.RUNNING, JobPhase.SUSPECT, JobPhase.STALLED,
+                                 JobPhase.DIAGNOSING, JobPhase.RESTARTING, *TERMINAL}),
+    JobPhase.STALLED: frozenset({JobPhase.RUNNING, JobPhase.SUSPECT, JobPhase.STALLED,
+                                 JobPhase.DIAGNOSING, JobPhase.RESTARTING, *TERMINAL}),
     JobPhase.DIAGNOSING: frozenset({JobPhase.ISOLATING, JobPhase.RESTARTING, *TERMINAL}),
     JobPhase.ISOLATING: frozenset({JobPhase.RESTARTING, *TERMINAL}),
     JobPhase.RESTARTING: frozenset({JobPhase.RUNNING, *TERMINAL}),
