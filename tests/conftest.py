@@ -20,6 +20,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,8 +50,9 @@ the e2e lane, so that each run is made once."""
 
 
 CPU_REPORT_ENV = "TRACEHOUND_TEST_CPU_REPORT"
-"""A file to which each test appends a line `<own CPU s> <children's CPU s> <test id>` (CI is
-CPU-bound on two cores, so CPU seconds, not durations, say what a test costs). The children's
+"""A file to which each test appends a line `<own CPU s> <children's CPU s> <start> <end> <test
+id>`, the times in seconds since the epoch (CI is CPU-bound on two cores, so CPU seconds, not
+durations, say what a test costs; the times show what ran beside what). The children's
 seconds are those of the processes the test's process reaped (with their own reaped
 descendants): a daemon, such as a ClickHouse server, is not counted."""
 
@@ -65,11 +67,13 @@ def _cpu_seconds() -> tuple[float, float]:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     report = os.environ.get(CPU_REPORT_ENV)
     before = _cpu_seconds() if report else (0.0, 0.0)
+    started = time.time()
     yield
     if report:
         own, children = (after - was for after, was in zip(_cpu_seconds(), before, strict=True))
         with open(report, "a") as out:
-            out.write(f"{own:8.2f} {children:8.2f} {item.nodeid}\n")
+            out.write(f"{own:8.2f} {children:8.2f} {started:.1f} {time.time():.1f} "
+                      f"{item.nodeid}\n")
 
 
 @pytest.hookimpl(tryfirst=True)
