@@ -81,8 +81,8 @@ fi
 # Two lanes at once:
 #   lane 1: the tests not marked e2e, in parallel (pytest-xdist, 2 workers); then, one at a
 #           time, the e2e tests marked `lane1` (tests/conftest.py: LANE1_E2E, those of
-#           tests/agent, tests/reliability and the successive faults, but the ones marked
-#           `waits`)
+#           tests/agent, tests/reliability, the successive faults and the controller kills,
+#           but the ones marked `waits`)
 #   lane 2: the other e2e tests (the real jobs under `tracehound run` and the demo, whose runs
 #           the dashboard's tests share, and first the ones that mostly wait: outages, a dead
 #           agent or controller), one at a time, at a lower priority

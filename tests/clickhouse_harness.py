@@ -247,15 +247,30 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     print(server.url, flush=True)
+    began = time.monotonic()
     try:
         while not done.wait(0.5):
             if not _alive(server.pid):
                 print(f"clickhouse-server (pid {server.pid}) died\n{_log_tail(server.workdir)}",
                       file=sys.stderr)
                 return 1
+        # what the server cost the machine (a daemon: no one reaps it, so no one counts it)
+        used = _cpu_seconds(server.pid)
+        if used is not None:
+            print(f"clickhouse-server used {used:.0f} CPU-s in {time.monotonic() - began:.0f} s",
+                  file=sys.stderr)
     finally:
         server.stop()
     return 0
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of a running process, from /proc (None when unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                       f"{item.nodeid}\n")
 
 
-LANE1_E2E = ("tests/agent/", "tests/reliability/", "tests/controller/test_run_faults.py")
+LANE1_E2E = ("tests/agent/", "tests/reliability/", "tests/controller/test_run_faults.py",
+             "tests/controller/test_run_controller_kill.py")
 """The e2e tests that lane 1 of `make test` (scripts/test.sh) runs once its tests not marked e2e
 are done (they are marked `lane1` here), but those marked `waits`: lane 2 runs every other e2e
 test, from the start. The suite is bound by CPU on two cores: the tests that mostly wait go
