@@ -80,16 +80,15 @@ fi
 
 # Two lanes at once:
 #   lane 1: the tests not marked e2e, in parallel (pytest-xdist, 2 workers); then, one at a
-#           time, the e2e tests marked `lane1` (tests/conftest.py: LANE1_E2E, those of
-#           tests/agent, tests/reliability, the successive faults and the controller kills,
-#           but the ones marked `waits`)
-#   lane 2: the other e2e tests (the real jobs under `tracehound run` and the demo, whose runs
-#           the dashboard's tests share, and first the ones that mostly wait: outages, a dead
-#           agent or controller), one at a time, at a lower priority
-# Every e2e test is in exactly one lane (the `lane1` marker).
+#           time, the e2e tests of tests/agent and tests/reliability
+#   lane 2: the other e2e tests (tests/controller, tests/ui, ...: the real jobs under
+#           `tracehound run` and the demo, whose runs the dashboard's tests share), one at a
+#           time, at a lower priority
+# Every e2e test is in exactly one lane (lane 2 ignores the paths lane 1 takes).
+LANE1_E2E=(tests/agent tests/reliability)
 echo "== pytest, two lanes at once: the tests not marked e2e in parallel (pytest-xdist), then the"
-echo "   e2e tests marked lane1 one at a time; beside them, the other e2e tests (real training"
-echo "   jobs and servers) one at a time, at a lower priority"
+echo "   e2e tests of ${LANE1_E2E[*]} one at a time; beside them, the other e2e tests (real"
+echo "   training jobs and servers) one at a time, at a lower priority"
 started=$(date +%s)
 # shellcheck disable=SC2086
 (
@@ -98,19 +97,21 @@ started=$(date +%s)
         --basetemp "$workdir/1" ${PYTEST_ARGS:-} || first=$?
     echo "== lane 1: the tests not marked e2e exited $first after $(( $(date +%s) - started )) s"
     second=0
-    nice -n 10 "$PY" -m pytest -q -m "e2e and lane1 and not clickhouse_cluster" --timeout 1200 \
-        --basetemp "$workdir/e" ${PYTEST_ARGS:-} || second=$?
+    nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 \
+        --basetemp "$workdir/e" ${PYTEST_ARGS:-} "${LANE1_E2E[@]}" || second=$?
     exit $(( first > second ? first : second ))
 ) > "$workdir/lane-parallel.log" 2>&1 &
 parallel_pid=$!
+ignored=()
+for path in "${LANE1_E2E[@]}"; do ignored+=("--ignore=$path"); done
 # shellcheck disable=SC2086
-nice -n 10 "$PY" -m pytest -q -m "e2e and not lane1 and not clickhouse_cluster" --timeout 1200 \
+nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 "${ignored[@]}" \
     --basetemp "$workdir/2" ${PYTEST_ARGS:-} > "$workdir/lane-e2e.log" 2>&1 &
 e2e_pid=$!
 parallel_status=0
 e2e_status=0
 wait "$parallel_pid" || parallel_status=$?
-echo "== lane 1 (not e2e in parallel, then the e2e tests marked lane1): exit $parallel_status after $(( $(date +%s) - started )) s"
+echo "== lane 1 (not e2e in parallel, then e2e of ${LANE1_E2E[*]}): exit $parallel_status after $(( $(date +%s) - started )) s"
 cat "$workdir/lane-parallel.log"
 wait "$e2e_pid" || e2e_status=$?
 echo "== lane 2 (the other e2e tests, one at a time): exit $e2e_status after $(( $(date +%s) - started )) s"

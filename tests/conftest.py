@@ -76,25 +76,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                       f"{item.nodeid}\n")
 
 
-LANE1_E2E = ("tests/agent/", "tests/reliability/", "tests/controller/test_run_faults.py",
-             "tests/controller/test_run_controller_kill.py")
-"""The e2e tests that lane 1 of `make test` (scripts/test.sh) runs once its tests not marked e2e
-are done (they are marked `lane1` here), but those marked `waits`: lane 2 runs every other e2e
-test, from the start. The suite is bound by CPU on two cores: the tests that mostly wait go
-first in lane 2, beside the CPU-bound tests of lane 1, and the two lanes end at about the same
-time with CPU-bound tests in both."""
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # before xdist's worker reads the groups (--dist loadgroup)
     for item in items:
         if set(getattr(item, "fixturenames", ())) & set(SHARED_RUNS):
             item.add_marker(pytest.mark.xdist_group("demo-runs"))
-        if (item.get_closest_marker("e2e") and not item.get_closest_marker("waits")
-                and item.nodeid.startswith(LANE1_E2E)):
-            item.add_marker(pytest.mark.lane1)
-    items.sort(key=lambda item: item.get_closest_marker("waits") is None)  # stable
 
 
 E2E_PROGRAMS = ("torchrun", "chromium", "streamlit", "tracehound.agent.node",

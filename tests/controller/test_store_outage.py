@@ -22,7 +22,7 @@ from tracehound.tracing.errors import TemporaryStoreError
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
 
-pytestmark = [pytest.mark.e2e, pytest.mark.waits, pytest.mark.clickhouse_server]
+pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 
 JOB = JobId("outage")
 

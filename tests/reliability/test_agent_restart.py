@@ -55,7 +55,7 @@ from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
 from tracehound.tracing.wire import decode_line
 
-pytestmark = [pytest.mark.e2e, pytest.mark.waits, pytest.mark.clickhouse_server]
+pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 
 JOB = JobId("agent-restart")
 NODE = "node-0"

@@ -53,7 +53,7 @@ from tracehound.tracing.events import Batch
 from tracehound.tracing.store import InsertReport, TraceStore, open_store
 from tracehound.tracing.store.ingest import IngestServer
 
-pytestmark = [pytest.mark.e2e, pytest.mark.waits]
+pytestmark = pytest.mark.e2e
 
 JOB_SCRIPT = r'''
 import datetime, sys, time

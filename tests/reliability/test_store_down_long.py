@@ -43,7 +43,7 @@ from tracehound.tracing.ids import JobId
 from tracehound.tracing.settings import TRACEHOUND_SHIP_MAX_BACKOFF_S
 from tracehound.tracing.store import open_store
 
-pytestmark = [pytest.mark.e2e, pytest.mark.waits, pytest.mark.clickhouse_server]
+pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 
 JOB = JobId("outage")
 OUTAGE_S = 15.0
