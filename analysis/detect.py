@@ -401,6 +401,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                     + (f"never entered collective #{seq} of group {group} ({where}); "
                        if reached < seq else
                        f"entered collective #{seq} of group {group} and froze there; ")
+                    + _stuck_words(beats, member, group)
                     + f"{waiting_in[group]} rank(s) wait on it"
                     + ("" if elsewhere is None else
                        "; it waits itself, in a collective the trace does not show ("
@@ -666,3 +667,22 @@ def _stall(
         basis=Basis.CONTROL_DEPENDENCY, summary=summary, evidence=tuple(evidence),
         observed_at_us=snap.now_us, group=longest.group,
     )
+
+
+def _stuck_words(beats: Mapping[int, Heartbeat], member: int, group: str) -> str:
+    """Where a laggard's own work in `group` stopped completing, when its peers completed that
+    work ("" otherwise): it issued the call (a peer cannot complete a collective a member never
+    joined) and is stuck in it; its later calls are not issued yet. On a GPU this is work
+    enqueued whose kernel never finished."""
+    own = next((g for g in beats[member].groups if g.group == group), None) \
+        if member in beats else None
+    if own is None or own.last_enqueued <= own.last_completed:
+        return ""
+    peers = [g.last_completed for r, hb in beats.items() if r != member
+             for g in hb.groups if g.group == group]
+    first = own.last_completed + 1
+    if not peers or max(peers) < first:
+        return ""
+    return (f"its work from #{first} on (entered through #{own.last_enqueued}) never "
+            f"completed while its peers completed through #{max(peers)}: it is stuck at "
+            f"#{first}; ")

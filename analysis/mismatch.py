@@ -234,7 +234,15 @@ def _from_pending(
     if not any(now_us - g.last_enqueue_us >= hang_us for _, g in rows):
         return findings
     op = rows[0][1].pending_op
-    culprits = tuple(sorted(r for r, g, _ in pending if g.last_enqueued != seq))
+    # A member whose call behind the majority's is one the majority completed is stuck in it:
+    # it issued that call (its peers could not have completed a collective it never joined),
+    # its work there never completed (on a GPU: the kernel or the device), and the later calls
+    # its peers wait in are not issued yet. That is a hang (or hardware), not a call too few.
+    done = min(g.last_completed for _, g in rows)
+    culprits = tuple(sorted(r for r, g, _ in pending
+                            if g.last_enqueued != seq and not g.last_enqueued <= done))
+    if not culprits:
+        return findings
     # every member still pending where it is `hang_us` after the culprits entered their calls
     entered_us = max(g.last_enqueue_us for r, g, _ in pending if r in culprits)
     if min(beat_us for *_, beat_us in pending) < entered_us + hang_us:
