@@ -25,8 +25,8 @@ from tracehound.analysis.verdict import Fact
 from tracehound.tracing import flightrecorder as fr
 from tracehound.tracing.events import (
     GroupProgress,
-    Heartbeat,
     HealthSeverity,
+    Heartbeat,
     IncidentKind,
     ProcessGroupInfo,
 )
