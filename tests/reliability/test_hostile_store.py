@@ -71,8 +71,10 @@ def records_for(name: str, attempt: int, rank: int) -> list[Any]:
 
 
 def over_limit(line: bytes, name: str) -> bytes:
-    """`line` with its job one character past the limit (a JSON string spliced in)."""
-    cut = line.replace(msgspec.json.encode(name), msgspec.json.encode("x" * (MAX_TEXT + 1)), 1)
+    """`line` with its job one character past the limit (a JSON string spliced in, at the
+    `job` key: a name such as `":"` also matches the text between another key and its value)."""
+    cut = line.replace(b'"job":' + msgspec.json.encode(name),
+                       b'"job":' + msgspec.json.encode("x" * (MAX_TEXT + 1)), 1)
     assert cut != line
     return cut
 
