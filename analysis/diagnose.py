@@ -21,6 +21,11 @@ evidence is:
   are seen waiting in collectives the trace does not show) is judged as a hang or a stall all
   the same: missing coverage never makes such a job healthy.
 - A hang that control dependency cannot localize is handed to the stack traces (silent hang).
+  Where they single no rank out either, and no health event does, every member waits and none
+  stands out (none lags, is frozen, is stuck elsewhere or disagrees on the call): the verdict is
+  an unlocalized hang that names no culprit rank. The group's nodes are its suspects (the
+  network, the collective library), in `Fact.SUSPECT` evidence, and the summary says what was
+  ruled out. The policy treats it as unsure.
 - A hardware health event on the culprit node of a hang, silent hang, slow link, straggler or
   node outlier turns that verdict into a hardware verdict on that node when it is relevant to
   the symptom: a kind that can cause it, on the culprit's GPU, near its onset (the table in
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tracehound.analysis.common import typical_step_us
+from tracehound.analysis.common import rank_nodes, typical_step_us
 from tracehound.analysis.confidence import nudged
 from tracehound.analysis.detect import detect_crash, detect_hang
 from tracehound.analysis.hardware import (
@@ -62,7 +67,7 @@ from tracehound.analysis.snapshot import JobSnapshot
 from tracehound.analysis.stacks import detect_silent_hang
 from tracehound.analysis.standstill import detect_standstill
 from tracehound.analysis.straggler import detect_straggler
-from tracehound.analysis.verdict import Basis, Fact, Verdict
+from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
 
 _CORROBORATED = frozenset({IncidentKind.STRAGGLER, IncidentKind.SLOW_LINK})
@@ -125,6 +130,48 @@ def diagnose_observation(obs: Observation | JobSnapshot,
     if isinstance(obs, JobSnapshot):
         obs = Observation.of(obs)
     settings = settings or DetectionSettings()
+    verdict = _diagnose(obs, settings)
+    if (verdict is not None and verdict.kind is IncidentKind.HANG
+            and verdict.basis is Basis.UNLOCALIZED):
+        return _unlocalized(verdict, obs, settings)
+    return verdict
+
+
+def _unlocalized(verdict: Verdict, obs: Observation, settings: DetectionSettings) -> Verdict:
+    """An unlocalized hang as it is reported: no culprit rank; the nodes of the ranks it would
+    otherwise name (the members that wait) as suspects, and what was ruled out."""
+    nodes = rank_nodes(obs.snapshot)
+    on_node: dict[str, list[int]] = {}
+    for r in sorted(verdict.culprit_ranks):
+        on_node.setdefault(nodes.get(r, "unknown"), []).append(r)
+    where = f"group {verdict.group}" if verdict.group else "the job's groups"
+    suspects = [
+        Evidence(
+            fact=Fact.SUSPECT, rank=ranks[0], node=node, group=verdict.group,
+            value=float(len(ranks)),
+            detail=(f"node {node} (rank{'s' if len(ranks) > 1 else ''} "
+                    f"{_listed(ranks)}) waits with the others in {where}: not a culprit, a "
+                    "suspect (its network links, the collective library)"),
+        )
+        for node, ranks in sorted(on_node.items(), key=lambda kv: kv[1][0])
+    ][:settings.max_evidence]
+    listed = ", ".join(on_node)
+    summary = (
+        f"{verdict.summary}. Not localized, no culprit rank: none lags, is frozen, is stuck "
+        "elsewhere or called the collective differently (op, size, dtype). Suspect the network "
+        f"or the collective library of {where}, on node{'s' if len(on_node) > 1 else ''} "
+        f"{listed}"
+    )
+    return replace(verdict, culprit_ranks=(), culprit_nodes=(), summary=summary,
+                   evidence=(*suspects, *verdict.evidence))
+
+
+def _listed(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _diagnose(obs: Observation, settings: DetectionSettings) -> Verdict | None:
     snap = obs.snapshot
     crash = detect_crash(snap, settings, obs.clocks)
     if crash is not None:

@@ -21,7 +21,8 @@ class Basis(enum.StrEnum):
     HEARTBEAT_LOSS = "heartbeat_loss"
     """The culprits stopped reporting while their peers wait on them."""
     UNLOCALIZED = "unlocalized"
-    """A stall was seen but no rank stands out; the whole group is named."""
+    """Every member waits and no rank stands out: no culprit rank is named, the group's nodes
+    are suspects (`Fact.SUSPECT`)."""
     MAJORITY_VOTE = "majority_vote"
     """The culprits differ from the majority of their group (op, size, dtype, stack)."""
     ARRIVAL_LATENESS = "arrival_lateness"
@@ -64,6 +65,9 @@ class Fact(enum.StrEnum):
     CLOCK = "clock"
     """The nodes' clocks differ: times were compared after correcting for it (offsets and
     their uncertainty)."""
+    SUSPECT = "suspect"
+    """Not a culprit: a node of the group an unlocalized hang is in (its network or the
+    collective library are suspect), named where no rank stands out."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -100,15 +100,36 @@ def verdict_of(incident: Incident) -> dict[str, Any]:
     return verdict if isinstance(verdict, dict) else {}
 
 
+def suspects_of(incident: Incident) -> list[str]:
+    """The suspect nodes of an incident that names no culprit rank (an unlocalized hang: every
+    member waits and none stands out), from its verdict's `suspect` evidence."""
+    if incident.culprit_ranks:
+        return []
+    evidence = verdict_of(incident).get("evidence") or []
+    return list(dict.fromkeys(str(e.get("node", "")) for e in evidence
+                              if isinstance(e, dict) and e.get("fact") == "suspect"))
+
+
+def unlocalized_words(incident: Incident) -> str:
+    """"not localized, suspects node-1, node-2" for an incident without culprit ranks."""
+    suspects = suspects_of(incident)
+    shown = ", ".join(suspects[:4]) + ("..." if len(suspects) > 4 else "")
+    return "not localized, no culprit rank" + (f"; suspects {shown}" if suspects else "")
+
+
 def incident_label(incident: Incident) -> str:
     culprits = ", ".join(str(r) for r in incident.culprit_ranks[:4])
     more = "..." if len(incident.culprit_ranks) > 4 else ""
-    return (f"{when(incident.detected_at_us)}  {incident.kind}  rank {culprits}{more}  "
-            f"({incident.incident_id})")
+    who = f"rank {culprits}{more}" if culprits else unlocalized_words(incident)
+    return f"{when(incident.detected_at_us)}  {incident.kind}  {who}  ({incident.incident_id})"
 
 
 def incident_line(incident: Incident) -> str:
-    """One line: when, what, the culprit ranks and nodes, and how sure."""
+    """One line: when, what, the culprit ranks and nodes (or the suspects of an unlocalized
+    one), and how sure."""
+    if not incident.culprit_ranks:
+        return (f"{when(incident.detected_at_us)} {incident.kind}: "
+                f"{unlocalized_words(incident)} (confidence {incident.confidence:.2f})")
     ranks = ", ".join(str(r) for r in incident.culprit_ranks[:8])
     nodes = ", ".join(incident.culprit_nodes[:4])
     more = "..." if len(incident.culprit_ranks) > 8 or len(incident.culprit_nodes) > 4 else ""

@@ -126,7 +126,8 @@ def _incident_view(store: TraceStore, job: str, states: Sequence[JobState], _ran
         return
     verdict = data.verdict_of(incident)
     st.subheader("Verdict")
-    st.text(f"{incident.kind} on {', '.join(incident.culprit_nodes) or 'no node'}")
+    st.text(f"{incident.kind} on {', '.join(incident.culprit_nodes)}" if incident.culprit_ranks
+            else f"{incident.kind}, {data.unlocalized_words(incident)}")
     st.text(incident.summary)
     cols = st.columns(4)
     cols[0].metric("Culprit ranks", ", ".join(str(r) for r in incident.culprit_ranks[:8]) or "-")
@@ -208,10 +209,13 @@ def _progress_view(store: TraceStore, job: str, states: Sequence[JobState], _ran
         return
     frame = data.progress_frame(grid, culprits)
     lo, hi = data.seq_window(grid)
-    if incident is not None:
+    if incident is not None and culprits:
         st.text(f"culprit (incident {incident.incident_id}, {incident.kind}): ranks "
                 f"{', '.join(str(r) for r in culprits[:8])} on "
                 f"{', '.join(incident.culprit_nodes[:4])}")
+    elif incident is not None:
+        st.text(f"incident {incident.incident_id}, {incident.kind}: "
+                f"{data.unlocalized_words(incident)}")
     st.text(f"group {group}, attempt {attempt}: sequence ids "
                f"{lo}-{hi}, {grid.width} rank(s) per row; a culprit's rows "
                "are outlined")

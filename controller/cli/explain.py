@@ -104,6 +104,12 @@ def format_verdict(outcome: dict[str, Any]) -> str:
             f"  culprits: ranks {outcome['culprit_ranks']} on nodes {outcome['culprit_nodes']} "
             f"(confidence {outcome['confidence']:.2f}, basis {outcome['basis']})"
         )
+    elif outcome["kind"] != "healthy":
+        suspects = [e["node"] for e in outcome["evidence"] if e.get("fact") == "suspect"]
+        lines.append(
+            f"  culprits: none, not localized; suspects: nodes {suspects} "
+            f"(confidence {outcome['confidence']:.2f}, basis {outcome['basis']})"
+        )
     if outcome["evidence"]:
         lines.append("  evidence:")
         lines += [f"    - {e['detail']}" for e in outcome["evidence"]]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from ui_harness import (
     HOSTILE,
+    UNLOCALIZED,
     FilledStore,
     app,
     charts,
@@ -45,7 +46,7 @@ def test_jobs_view_lists_every_job_with_its_state_and_incidents(
     at = app(sim_store.url, "jobs", monkeypatch)
     (jobs,) = tables(at)
     by_job = jobs.set_index("job")
-    assert set(by_job.index) == {"sim-hang", "sim-straggler", HOSTILE, "live"}
+    assert set(by_job.index) == {"sim-hang", "sim-straggler", HOSTILE, "live", UNLOCALIZED}
     assert by_job.loc["live", "state"] == "stalled"
     # simulated traces have no controller behind them; the hostile job failed after 2 s
     assert by_job.loc["sim-hang", "state"] == "no controller state"
@@ -108,6 +109,14 @@ def test_a_stall_is_shown_as_such_with_where_the_busy_rank_is(
     assert list(timeline["step"]) == ["detect", "decide: observe"]
     (jobs,) = tables(app(sim_store.url, "jobs", monkeypatch))
     assert jobs.set_index("job").loc["live", "open incidents"] == 1
+
+
+def test_an_unlocalized_hang_is_shown_with_its_suspects_and_no_culprit(
+        sim_store: FilledStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = app(sim_store.url, "incident", monkeypatch, job=UNLOCALIZED)
+    shown = "\n".join(texts(at))
+    assert "hang, not localized, no culprit rank; suspects node-0, node-1" in shown
+    assert "Suspect the network or the collective library of group 0" in shown
 
 
 def test_a_running_job_is_redrawn_by_default_an_ended_one_is_not(

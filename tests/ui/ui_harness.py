@@ -86,6 +86,7 @@ def fill_simulated(url: str) -> dict[str, dict[str, Any]]:
                           "verdict": verdict}
         _hostile(store)
         _live_stall(store)
+        _unlocalized_hang(store)
     finally:
         store.close()
     return truth
@@ -130,6 +131,46 @@ def _live_stall(store: TraceStore) -> None:
         verdict_json=json.dumps(verdict)))
     store.record_action(Action(job=job, incident_id="live/0/1", kind=ActionKind.OBSERVE,
                                target="0", time_us=t + 3_100_000, ok=True, rule="rules.stall"))
+
+
+UNLOCALIZED = "nowhere"
+"""A job whose four ranks all wait in one all_reduce with the same call: no culprit rank."""
+
+
+def _unlocalized_hang(store: TraceStore) -> None:
+    """The verdict the analysis gives when every member waits and none stands out, stored as
+    the supervisor stores an incident."""
+    from tracehound.analysis.diagnose import diagnose_observation
+    from tracehound.analysis.snapshot import JobSnapshot
+    from tracehound.tracing.events import GroupProgress, Heartbeat, ProcessGroupInfo
+    from tracehound.tracing.ids import GroupId, NodeId, Rank
+
+    t = now_us() - 20_000_000
+    job = JobId(UNLOCALIZED)
+    waiting = GroupProgress(group=GroupId("0"), last_enqueued=41, last_completed=40,
+                            pending_op="all_reduce", last_enqueue_us=t, last_complete_us=t,
+                            pending_nbytes=64, pending_dtype="float32")
+    node = {r: NodeId(f"node-{r // 2}") for r in range(4)}
+    snap = JobSnapshot(
+        job=job, attempt=0, now_us=t + 8_000_000,
+        heartbeats=tuple(Heartbeat(job=job, attempt=0, node=node[r], rank=Rank(r),
+                                   time_us=t + 7_800_000, pid=100 + r, step=10, step_us=t,
+                                   start_step=0, first_step_us=t - 9_000_000, dropped=0,
+                                   groups=(waiting,)) for r in range(4)),
+        groups=tuple(ProcessGroupInfo(job=job, attempt=0, rank=Rank(r), group=GroupId("0"),
+                                      ranks=(0, 1, 2, 3), backend="gloo", time_us=t)
+                     for r in range(4)),
+        expected_ranks=dict(node),
+    )
+    verdict = diagnose_observation(snap)
+    assert verdict is not None and verdict.kind.value == "hang" and not verdict.culprit_ranks
+    store.record_state(JobState(job=job, time_us=t, seq=1, state=JobPhase.SUSPECT, attempt=0,
+                                incident_id=f"{UNLOCALIZED}/0/1", nodes=tuple(set(node.values()))))
+    store.record_incident(Incident(
+        job=job, incident_id=f"{UNLOCALIZED}/0/1", attempt=0, detected_at_us=snap.now_us,
+        kind=verdict.kind.value, culprit_ranks=verdict.culprit_ranks,
+        culprit_nodes=verdict.culprit_nodes, confidence=verdict.confidence,
+        summary=verdict.summary, verdict_json=verdict.to_json()))
 
 
 def app(url: str, view: str, monkeypatch: Any, **params: str) -> AppTest:
