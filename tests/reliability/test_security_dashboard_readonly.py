@@ -92,14 +92,16 @@ def test_the_dashboards_store_is_refused_every_write(server_store_url: str) -> N
 
 
 def test_no_view_changes_a_row(server_store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ui_harness import HOSTILE, app, fill_simulated
+    from ui_harness import HOSTILE, UNLOCALIZED, app, fill_simulated
 
     fill_simulated(server_store_url)
     before = row_counts(server_store_url)
-    assert len(before) >= 8 and before["collectives"] > 0 and before["incidents"] == 4
+    # an incident each: two simulated jobs, the hostile one, the live stall, the unlocalized hang
+    assert len(before) >= 8 and before["collectives"] > 0 and before["incidents"] == 5
     views = [("jobs", {}), ("incident", {"job": "sim-hang"}),
              ("incident", {"job": HOSTILE, "incident": "h/0/1"}),
-             ("incident", {"job": "live"}), ("progress", {"job": "sim-hang", "group": "0"}),
+             ("incident", {"job": "live"}), ("incident", {"job": UNLOCALIZED}),
+             ("progress", {"job": "sim-hang", "group": "0"}),
              ("stragglers", {"job": "sim-straggler"}), ("health", {"job": "sim-hang"})]
     for view, params in views:
         app(server_store_url, view, monkeypatch, **params)
