@@ -674,15 +674,14 @@ def _stuck_words(beats: Mapping[int, Heartbeat], member: int, group: str) -> str
     work ("" otherwise): it issued the call (a peer cannot complete a collective a member never
     joined) and is stuck in it; its later calls are not issued yet. On a GPU this is work
     enqueued whose kernel never finished."""
-    own = next((g for g in beats[member].groups if g.group == group), None) \
-        if member in beats else None
+    beat = beats.get(member)
+    own = next((g for g in beat.groups if g.group == group), None) if beat else None
     if own is None or own.last_enqueued <= own.last_completed:
         return ""
-    peers = [g.last_completed for r, hb in beats.items() if r != member
-             for g in hb.groups if g.group == group]
+    done = max((g.last_completed for r, hb in beats.items() if r != member
+                for g in hb.groups if g.group == group), default=0)
     first = own.last_completed + 1
-    if not peers or max(peers) < first:
+    if done < first:
         return ""
     return (f"its work from #{first} on (entered through #{own.last_enqueued}) never "
-            f"completed while its peers completed through #{max(peers)}: it is stuck at "
-            f"#{first}; ")
+            f"completed while its peers completed through #{done}: it is stuck at #{first}; ")

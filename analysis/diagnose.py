@@ -153,7 +153,7 @@ def _unlocalized(verdict: Verdict, obs: Observation, settings: DetectionSettings
                     f"{_listed(ranks)}) waits with the others in {where}: not a culprit, a "
                     "suspect (its network links, the collective library)"),
         )
-        for node, ranks in sorted(on_node.items(), key=lambda kv: kv[1][0])
+        for node, ranks in on_node.items()  # in the order of their first rank
     ][:settings.max_evidence]
     listed = ", ".join(on_node)
     summary = (

@@ -240,7 +240,7 @@ def _from_pending(
     # its peers wait in are not issued yet. That is a hang (or hardware), not a call too few.
     done = min(g.last_completed for _, g in rows)
     culprits = tuple(sorted(r for r, g, _ in pending
-                            if g.last_enqueued != seq and not g.last_enqueued <= done))
+                            if g.last_enqueued != seq and g.last_enqueued > done))
     if not culprits:
         return findings
     # every member still pending where it is `hang_us` after the culprits entered their calls

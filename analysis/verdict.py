@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,6 +69,13 @@ class Fact(enum.StrEnum):
     SUSPECT = "suspect"
     """Not a culprit: a node of the group an unlocalized hang is in (its network or the
     collective library are suspect), named where no rank stands out."""
+
+
+def suspect_nodes(evidence: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The nodes of a verdict's `suspect` evidence, as serialized (`Verdict.to_dict`), once
+    each in order: an unlocalized hang's suspects."""
+    return list(dict.fromkeys(str(e.get("node", "")) for e in evidence
+                              if isinstance(e, Mapping) and e.get("fact") == Fact.SUSPECT))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

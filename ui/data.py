@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from tracehound.analysis.verdict import suspect_nodes
 from tracehound.tracing.events import (
     ActionKind,
     HealthSample,
@@ -105,9 +106,7 @@ def suspects_of(incident: Incident) -> list[str]:
     member waits and none stands out), from its verdict's `suspect` evidence."""
     if incident.culprit_ranks:
         return []
-    evidence = verdict_of(incident).get("evidence") or []
-    return list(dict.fromkeys(str(e.get("node", "")) for e in evidence
-                              if isinstance(e, dict) and e.get("fact") == "suspect"))
+    return suspect_nodes(verdict_of(incident).get("evidence") or [])
 
 
 def unlocalized_words(incident: Incident) -> str:

@@ -16,6 +16,7 @@ from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
+from tracehound.analysis.verdict import suspect_nodes
 from tracehound.controller.cli.options import print_json, store_arg
 from tracehound.tracing.events import ActionKind, Incident
 from tracehound.tracing.ids import JobId
@@ -105,7 +106,7 @@ def format_verdict(outcome: dict[str, Any]) -> str:
             f"(confidence {outcome['confidence']:.2f}, basis {outcome['basis']})"
         )
     elif outcome["kind"] != "healthy":
-        suspects = [e["node"] for e in outcome["evidence"] if e.get("fact") == "suspect"]
+        suspects = suspect_nodes(outcome["evidence"])
         lines.append(
             f"  culprits: none, not localized; suspects: nodes {suspects} "
             f"(confidence {outcome['confidence']:.2f}, basis {outcome['basis']})"
