@@ -123,11 +123,17 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None when it
+    cannot be read."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def _answers(port: int) -> bool:
@@ -266,9 +272,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cpu_seconds(pid: int) -> float | None:
     """User and system CPU seconds of a running process, from /proc (None when unreadable)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = _stat_fields(pid)
+    if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

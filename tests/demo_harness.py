@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+NOT_A_TRANSITION = "is not a transition of the job's state machine"
+"""What the supervisor logs, as an error, for a job state that does not follow from the one
+before (it writes the state anyway): a real run's log must never hold it."""
+
 
 @dataclass(frozen=True)
 class DemoRun:
@@ -29,5 +33,5 @@ def run_demo(store: str, job: str, workdir: Path, *fault: str) -> DemoRun:
          "--store", store, "--workdir", str(workdir), "--job-id", job, "--json"],
         capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "is not a transition of the job's state machine" not in done.stderr, done.stderr
+    assert NOT_A_TRANSITION not in done.stderr, done.stderr
     return DemoRun(store, job, json.loads(done.stdout))

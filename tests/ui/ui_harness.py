@@ -165,7 +165,8 @@ def _unlocalized_hang(store: TraceStore) -> None:
     verdict = diagnose_observation(snap)
     assert verdict is not None and verdict.kind.value == "hang" and not verdict.culprit_ranks
     store.record_state(JobState(job=job, time_us=t, seq=1, state=JobPhase.SUSPECT, attempt=0,
-                                incident_id=f"{UNLOCALIZED}/0/1", nodes=tuple(set(node.values()))))
+                                incident_id=f"{UNLOCALIZED}/0/1",
+                                nodes=tuple(sorted(set(node.values())))))
     store.record_incident(Incident(
         job=job, incident_id=f"{UNLOCALIZED}/0/1", attempt=0, detected_at_us=snap.now_us,
         kind=verdict.kind.value, culprit_ranks=verdict.culprit_ranks,
