@@ -9,7 +9,10 @@ outside collectives, or silent while its process lives) gets its Python stack ca
 `py-spy dump --nonblocking` and emitted as a `StackSample`, once per episode of no progress,
 again every `stack_repeat_s` while the episode lasts, and never more often than every
 `stack_min_gap_s`; and again when the process went from waiting to computing or back since its
-last capture (`ACTIVE_CPU_RATE`), after `stack_after_s`: a rank that waited in DDP's
+last capture (`ACTIVE_CPU_RATE`), after `stack_after_s`. A capture that failed is tried again
+after `stack_after_s`, up to `CAPTURE_RETRIES` times in a row: `--nonblocking` reads memory the
+process is changing, and a read that caught it mid-change fails where the next succeeds (a rank
+writing a checkpoint, a CI run). A rank that waited in DDP's
 construction and then computes a slow first step makes no collective progress in between, and
 the stack from its wait would stand for the step. Ranks are keyed by (job, attempt, rank): a
 newer attempt of a job ends the watch of the older one's ranks.
@@ -58,6 +61,9 @@ _CAPTURE_BUDGET_S = 5.0
 
 _TRIGGER_INTERVAL_S = 1.0
 """How often stack triggers are checked when process sampling is off."""
+
+CAPTURE_RETRIES = 3
+"""Failed captures of a stuck rank tried again soon in a row; after that, as if captured."""
 
 _MAX_FRAME_CHARS = 4096
 """The wire's limit on one frame string."""
@@ -356,6 +362,8 @@ class _Watched:
     read_failed: bool = False
     captured_us: int | None = None
     captured_episode: Episode | None = None
+    failures: int = 0
+    """Captures of its stack that failed in a row since the last that worked."""
     joined_us: int = 0
     """When the rank was first seen in a process group (0: not yet)."""
     active: bool = False
@@ -602,6 +610,8 @@ class ProcWatcher:
             return None
         last = watched.captured_us
         if last is not None:
+            if 0 < watched.failures <= CAPTURE_RETRIES:
+                return why if now - last >= self.stack_after_s * 1e6 else None
             if watched.active != watched.captured_active:
                 # waiting then computing (or back): the last stack is from before the change
                 return why if now - last >= self.stack_after_s * 1e6 else None
@@ -634,10 +644,12 @@ class ProcWatcher:
                 if self._stop.is_set():
                     return
                 self.stats.stacks_failed += 1
+                watched.failures += 1
                 self._capture_failed(watched, pid, exc)
                 continue
             finally:
                 spent += time.monotonic() - started
+            watched.failures = 0
             sample = StackSample(
                 job=hb.job, attempt=hb.attempt, node=hb.node, rank=hb.rank, time_us=now,
                 frames=frames,

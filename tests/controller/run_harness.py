@@ -34,6 +34,15 @@ def run_and_list(tmp_path: Path, job: str, run_args: list[str]
     return outcome, json.loads(listed.stdout)
 
 
+def brief(incidents: list[Any]) -> str:
+    """One line per incident for an assertion's message: its kind, culprits, basis, actions
+    and summary (the full dicts are truncated by pytest before the part that explains)."""
+    return "\n".join(
+        f"{i['incident_id']} {i['kind']} ranks={i['culprit_ranks']} "
+        f"basis={i['verdict'].get('basis')} actions={[a['kind'] for a in i['actions']]}: "
+        f"{i['verdict'].get('summary', '')}" for i in incidents)
+
+
 def beside_observed_stragglers(incidents: list[Any]) -> list[Any]:
     """The incidents but stragglers that were only watched, which four ranks sharing two cores
     here may show around a fault or in a restarted attempt (CI runs: a rank at 1.15x its

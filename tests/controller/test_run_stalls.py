@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from run_harness import run_and_list
+from run_harness import brief, run_and_list
 
 pytestmark = pytest.mark.e2e
 
@@ -49,13 +49,13 @@ def test_checkpoint_evaluation_slow_first_step_and_data_loading_are_stalls(
         tmp_path, "stalls", "--steps", "300", "--stall", "first-step@2:0",
         "--stall", "checkpoint@0:60", "--stall", "eval@0:150", "--stall", "dataload@3:240")
     assert outcome["completed"] is True, outcome
-    assert outcome["attempts"] == 1, outcome
+    assert outcome["attempts"] == 1, (outcome, brief(incidents))
     # Nothing but observations: four ranks share two cores here, and a busy rank may also be
     # seen computing longer than its peers around its stall (a straggler, a soft fault watched
     # until it repeats); the job is left alone either way.
     for incident in incidents:
-        assert {a["kind"] for a in incident["actions"]} == {"observe"}, incident
-    assert {i["kind"] for i in incidents} <= {"stall", "straggler"}, incidents
+        assert {a["kind"] for a in incident["actions"]} == {"observe"}, brief(incidents)
+    assert {i["kind"] for i in incidents} <= {"stall", "straggler"}, brief(incidents)
     stalls = [i for i in incidents if i["kind"] == "stall"]
     words = [(i["culprit_ranks"][0], stack_words(i)) for i in stalls]
     for rank, where in ((2, "busy_for"), (0, "write"), (0, "busy_train.py"),
