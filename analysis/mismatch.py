@@ -4,13 +4,16 @@ Three sources, all decided by majority vote within the group (the rank that diff
 majority is the culprit; Flight Recorder's own analyzer blames whichever side it sees first):
 
 1. Recorded collectives that disagree (`Observation.disagreements`): the rows of one (group, seq)
-   do not share one op, size and dtype. A size difference alone does not count for ops whose
-   members legitimately pass different sizes (`DetectionSettings.mismatch.size_exempt_ops`; the
-   store leaves those out before its limit). When the store's limit cut the list, the verdict
-   says how many disagreeing collectives were not read (`Observation.disagreements_dropped`).
+   do not share one op, size, dtype and shape (every input and output tensor, every part of a
+   coalesced call: `tracing.shapes`; compared where every row has one). A size difference alone
+   does not count for ops whose members legitimately pass different sizes
+   (`DetectionSettings.mismatch.size_exempt_ops`; the store leaves those out before its limit).
+   When the store's limit cut the list, the verdict says how many disagreeing collectives were
+   not read (`Observation.disagreements_dropped`).
 2. Heartbeats: members pending on the same sequence id of a group with different ops (a
    broadcast against an all_reduce hangs everyone with equal sequence ids), or with one op but
-   different sizes or dtypes (`GroupProgress.pending_nbytes`, `pending_dtype`: a size mismatch
+   different sizes, dtypes or shapes (`GroupProgress.pending_nbytes`, `pending_dtype`,
+   `pending_shape`: a size mismatch
    that hangs instead of completing). Conclusive at once: one sequence id is one collective on
    every member. Members whose heartbeats carry no dtype (older recorders) have no say on size
    and dtype; the exempt ops' sizes are not compared.
@@ -65,6 +68,7 @@ from tracehound.analysis.observation import Observation
 from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import GroupProgress, IncidentKind
+from tracehound.tracing.shapes import comparable, difference
 from tracehound.tracing.summaries import Disagreement, group_order
 
 
@@ -80,7 +84,8 @@ class _Finding:
     theirs: Mapping[int, str]
     """What each culprit did, in words."""
     what: str
-    """`op`, `size`, `dtype` or `sequence`."""
+    """`op`, `size`, `dtype`, `shape` (the whole signature: every input and output, every part
+    of a coalesced call; `tracing.shapes`) or `sequence`."""
     source: str
     """`recorded` (completed or failed events) or `pending` (heartbeats)."""
     tie: bool
@@ -96,8 +101,17 @@ MIN_SIBLING_VOTES = 2
 """Sibling groups that must have run one call for it to break a tie within a group."""
 
 
-def _describe(op: str, nbytes: int, dtype: str) -> str:
-    return f"{op} of {nbytes} B {dtype}"
+def _describe(op: str, nbytes: int, dtype: str, shape: str = "") -> str:
+    brief = f"{op} of {nbytes} B {dtype}"
+    if not shape:
+        return brief
+    return f"{brief} shaped {shape if len(shape) <= 160 else shape[:157] + '...'}"
+
+
+def _known_shapes(shapes: Sequence[str], n: int) -> tuple[str, ...]:
+    """The members' shape texts where every member has one, else none at all (""): a member
+    whose source says nothing of shapes has no say, and neither has the comparison."""
+    return tuple(shapes) if len(shapes) == n and all(shapes) else ("",) * n
 
 
 def _partial(seen: int, top_n: int, tie: bool, size: int) -> bool:
@@ -110,15 +124,18 @@ def _partial(seen: int, top_n: int, tie: bool, size: int) -> bool:
 
 def _from_disagreement(d: Disagreement, exempt: tuple[str, ...],
                        size: int = 0) -> _Finding | None:
+    shapes = _known_shapes(d.shapes, len(d.ranks))
     keys = [
-        ("p2p" if is_p2p_op(op) else op, n, dt)
-        for op, n, dt in zip(d.ops, d.nbytes, d.dtypes, strict=True)
+        ("p2p" if is_p2p_op(op) else op, n, dt, sh)
+        for op, n, dt, sh in zip(d.ops, d.nbytes, d.dtypes, shapes, strict=True)
     ]
     if len({k[0] for k in keys}) == 1 and keys[0][0] == "p2p":
         return None
     ops, dtypes = {k[0] for k in keys}, {k[2] for k in keys}
-    if len(ops) == 1 and len(dtypes) == 1 and keys[0][0] in exempt:
-        return None  # sizes differ, legitimately
+    uneven = len(ops) == 1 and keys[0][0] in exempt
+    # the root's side of a rooted op is not compared, nor sizes where they differ legitimately
+    keys = [(op, 0 if uneven else n, dt, comparable(sh, raw, exempt))
+            for (op, n, dt, sh), raw in zip(keys, d.ops, strict=True)]
     if len(set(keys)) == 1:
         return None
     counts = Counter(keys)
@@ -127,26 +144,37 @@ def _from_disagreement(d: Disagreement, exempt: tuple[str, ...],
     if _partial(len(keys), top_n, tie, size):
         return None
     reference = (
-        ("p2p" if is_p2p_op(d.peer_op) else d.peer_op, d.peer_nbytes, d.peer_dtype)
+        ("p2p" if is_p2p_op(d.peer_op) else d.peer_op,
+         0 if uneven else d.peer_nbytes, d.peer_dtype)
         if d.peer_groups >= MIN_SIBLING_VOTES else None
     )
-    by_siblings = tie and reference is not None and counts.get(reference) == top_n
-    if by_siblings and reference is not None:
-        top, tie = reference, False
+    by_siblings = False
+    if tie and reference is not None:
+        # the siblings' reference names no shape: it decides when one tied call matches it
+        matching = [k for k, n in counts.items() if k[:3] == reference and n == top_n]
+        if len(matching) == 1:
+            top, tie, by_siblings = matching[0], False, True
     culprits = tuple(
         r for r, k in zip(d.ranks, keys, strict=True) if tie or k != top
     )
-    what = "op" if len(ops) > 1 else "dtype" if len(dtypes) > 1 else "size"
-    theirs = {
-        r: _describe(op, n, dt)
-        for r, op, n, dt in zip(d.ranks, d.ops, d.nbytes, d.dtypes, strict=True)
-        if r in culprits
-    }
-    majority_op = next(op for op, k in zip(d.ops, keys, strict=True) if k == top)
+    what = ("op" if len(ops) > 1 else "dtype" if len(dtypes) > 1
+            else "size" if len({k[1] for k in keys}) > 1 else "shape")
+    row_of_top = next(i for i, k in enumerate(keys) if k == top)
+    top_shape = shapes[row_of_top] if what == "shape" else ""
+
+    def described(i: int) -> str:
+        mine = shapes[i] if what == "shape" else ""
+        text = _describe(d.ops[i], d.nbytes[i], d.dtypes[i], mine)
+        gap = difference(mine, top_shape) if mine != top_shape else ""
+        return f"{text} ({gap})" if gap and not tie else text
+
+    theirs = {r: described(i) for i, r in enumerate(d.ranks) if r in culprits}
     return _Finding(
         group=d.group, seq=d.seq, culprits=culprits, members=len(d.ranks),
-        majority=_describe(majority_op, top[1], top[2]), theirs=theirs, what=what,
-        source="recorded", tie=tie, siblings=d.peer_groups if top == reference else 0,
+        majority=_describe(d.ops[row_of_top], d.nbytes[row_of_top], d.dtypes[row_of_top],
+                           top_shape),
+        theirs=theirs, what=what, source="recorded", tie=tie,
+        siblings=d.peer_groups if reference is not None and top[:3] == reference else 0,
         by_siblings=by_siblings,
     )
 
@@ -155,14 +183,17 @@ def _from_pending_shapes(
     group: str, seq: int, rows: Sequence[tuple[int, GroupProgress]], exempt: tuple[str, ...],
     size: int = 0,
 ) -> _Finding | None:
-    """Members pending in one collective (one sequence id, one op) that pass different sizes or
-    dtypes. Members that report no dtype have no say; sizes of exempt ops are not compared."""
+    """Members pending in one collective (one sequence id, one op) that pass different sizes,
+    dtypes or shapes. Members that report no dtype have no say; sizes of exempt ops are not
+    compared (their shapes without sizes are); shapes count where every member reports one."""
     op = rows[0][1].pending_op
     known = [(r, g) for r, g in rows if g.pending_dtype]
     if is_p2p_op(op) or len(known) < 2:
         return None
     uneven = op in exempt
-    keys = [(0 if uneven else g.pending_nbytes, g.pending_dtype) for _, g in known]
+    shapes = _known_shapes([g.pending_shape for _, g in known], len(known))
+    keys = [(0 if uneven else g.pending_nbytes, g.pending_dtype, comparable(sh, op, exempt))
+            for (_, g), sh in zip(known, shapes, strict=True)]
     if len(set(keys)) < 2:
         return None
     counts = Counter(keys).most_common()
@@ -172,14 +203,23 @@ def _from_pending_shapes(
     top = counts[0][0]
     culprits = tuple(sorted(r for (r, _), k in zip(known, keys, strict=True)
                             if tie or k != top))
-    majority_nbytes = next(g.pending_nbytes for (_, g), k in zip(known, keys, strict=True)
-                           if k == top)
+    what = ("dtype" if len({k[1] for k in keys}) > 1
+            else "size" if len({k[0] for k in keys}) > 1 else "shape")
+    at = next(i for i, k in enumerate(keys) if k == top)
+    top_g, top_shape = known[at][1], (shapes[at] if what == "shape" else "")
+
+    def described(g: GroupProgress, shape: str) -> str:
+        mine = shape if what == "shape" else ""
+        gap = difference(mine, top_shape) if not tie else ""
+        text = _describe(op, g.pending_nbytes, g.pending_dtype, mine)
+        return f"{text} ({gap})" if gap else text
+
     return _Finding(
         group=group, seq=seq, culprits=culprits, members=len(known),
-        majority=_describe(op, majority_nbytes, top[1]),
-        theirs={r: _describe(op, g.pending_nbytes, g.pending_dtype)
-                for r, g in known if r in culprits},
-        what="dtype" if len({k[1] for k in keys}) > 1 else "size", source="pending", tie=tie,
+        majority=_describe(op, top_g.pending_nbytes, top[1], top_shape),
+        theirs={r: described(g, sh) for (r, g), sh in zip(known, shapes, strict=True)
+                if r in culprits},
+        what=what, source="pending", tie=tie,
     )
 
 
@@ -300,7 +340,8 @@ def _blocked_on(g: GroupProgress) -> GroupProgress:
         return g
     return msgspec.structs.replace(
         g, last_enqueued=g.oldest_seq, pending_op=g.oldest_op,
-        pending_nbytes=g.oldest_nbytes, pending_dtype=g.oldest_dtype)
+        pending_nbytes=g.oldest_nbytes, pending_dtype=g.oldest_dtype,
+        pending_shape=g.oldest_shape)
 
 
 def _left_group(obs: Observation, f: _Finding) -> set[int]:
@@ -327,7 +368,7 @@ def _siblings_words(f: _Finding) -> str:
 
 def _hung_shape(f: _Finding) -> bool:
     """A size or dtype difference seen in pending calls: the collective hangs."""
-    return f.source == "pending" and f.what in ("size", "dtype")
+    return f.source == "pending" and f.what in ("size", "dtype", "shape")
 
 
 def _dropped_words(dropped: int) -> str:
@@ -342,6 +383,7 @@ def _what_words(f: _Finding) -> str:
         "op": "a different op",
         "size": "a different size",
         "dtype": "a different dtype",
+        "shape": "different tensor shapes",
     }[f.what]
 
 

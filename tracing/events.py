@@ -96,6 +96,9 @@ class CollectiveEvent(RankRecord, frozen=True, tag="collective"):
     enqueue_us: U64
     complete_us: U64
     """When the operation finished (or failed) on this rank; 0 if it never did."""
+    shape: Text = ""
+    """Every tensor the call takes and fills, with its shape and dtype (`tracing.shapes`); ""
+    when the source does not say."""
 
 
 class GroupProgress(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,6 +130,10 @@ class GroupProgress(msgspec.Struct, frozen=True, kw_only=True):
     """Bytes this rank passes to `oldest_seq`."""
     oldest_dtype: Text = ""
     """Dtype of `oldest_seq`."""
+    pending_shape: Text = ""
+    """Shape text (`tracing.shapes`) of the pending op; "" when none is pending or unknown."""
+    oldest_shape: Text = ""
+    """Shape text of `oldest_seq`."""
 
 
 @record_kind

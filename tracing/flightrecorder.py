@@ -30,7 +30,7 @@ import logging
 import pickle
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from tracehound.tracing.events import (
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.kinds import MAX_TEXT, MAX_U64
+from tracehound.tracing.shapes import joined, shape_text
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,11 @@ class FrEntry:
     created_ns: int
     completed_ns: int
     """0 when unknown (gloo never records it)."""
+    shape: str = ""
+    """Every input and output tensor's shape and dtype (`tracing.shapes`); of every part, for
+    a coalesced call read as one."""
+    parts: int = 1
+    """Records of the ring read as this one (a coalesced call's parts and its end)."""
 
     @property
     def p2p(self) -> bool:
@@ -288,6 +294,65 @@ def _bytes_and_dtype(entry: Mapping[str, Any]) -> tuple[int, str]:
     return total, _DTYPES.get(first, (first.lower(), 0))[0]
 
 
+def _tensors(entry: Mapping[str, Any], sizes_key: str, dtypes_key: str
+             ) -> list[tuple[list[int], str]]:
+    """(dims, dtype) of each tensor a record lists under `sizes_key` and `dtypes_key`."""
+    sizes = entry.get(sizes_key) or []
+    dtypes = entry.get(dtypes_key) or []
+    if not isinstance(sizes, list | tuple):
+        return []
+    if not isinstance(dtypes, list | tuple):
+        dtypes = []
+    out = []
+    for i, dims in enumerate(sizes):
+        scalar = str(dtypes[i]) if i < len(dtypes) else ""
+        shape = [_int(d) for d in dims] if isinstance(dims, list | tuple) else []
+        out.append((shape, _DTYPES.get(scalar, (scalar.lower(), 0))[0]))
+    return out
+
+
+def _shape(entry: Mapping[str, Any]) -> str:
+    return shape_text(_tensors(entry, "input_sizes", "input_dtypes"),
+                      _tensors(entry, "output_sizes", "output_dtypes"))
+
+
+def _coalesced(entries: tuple[FrEntry, ...]) -> tuple[FrEntry, ...]:
+    """The ring with each coalesced call read as one entry. NCCL records a call made inside a
+    coalescing manager as one record per part, all with the group's one sequence id, followed by
+    an end record (`coalesced`, `allreduce_coalesced`, ...) under the same id; torch's analyzer
+    groups them the same way. The one entry has the first part's creation, the end's state and
+    completion, the parts' bytes in all and their shapes one after another, and the parts' op
+    when they share one (else the end's). Point-to-point records are left as they are."""
+    out: list[FrEntry] = []
+    run: list[FrEntry] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            end = run[-1]
+            parts = [e for e in run[:-1] if e.shape] or run[:-1]
+            ops = {e.op for e in run[:-1]}
+            out.append(replace(
+                end, op=ops.pop() if len(ops) == 1 else end.op,
+                nbytes=sum(e.nbytes for e in parts), dtype=parts[0].dtype,
+                shape=joined(e.shape for e in parts) if len(parts) > 1 or parts[0].shape
+                else end.shape,
+                created_ns=run[0].created_ns, parts=len(run),
+            ))
+        run.clear()
+
+    for e in entries:
+        if run and (e.p2p or e.seq <= 0 or (e.group, e.seq) != (run[0].group, run[0].seq)):
+            flush()
+        if e.p2p or e.seq <= 0:
+            out.append(e)
+        else:
+            run.append(e)
+    flush()
+    return tuple(out)
+
+
 def _entry(raw: Any, source: str, index: int) -> FrEntry:
     if not isinstance(raw, Mapping):
         raise DumpError(f"{source}: entry {index} is a {type(raw).__name__}; expected a dict")
@@ -311,7 +376,7 @@ def _entry(raw: Any, source: str, index: int) -> FrEntry:
         record_id=_int(raw.get("record_id")), op=op,
         backend=backend, src=src, dst=dst, nbytes=nbytes, dtype=dtype,
         state=str(raw.get("state") or "scheduled"), created_ns=_int(raw["time_created_ns"]),
-        completed_ns=_int(raw.get("time_discovered_completed_ns")),
+        completed_ns=_int(raw.get("time_discovered_completed_ns")), shape=_shape(raw),
     )
     _check_fits(entry, source, index)
     return entry
@@ -338,7 +403,8 @@ def _check_fits(e: FrEntry, source: str, index: int) -> None:
     if not e.op:
         raise DumpError(f"{source}: entry {index} has a profiling_name that names no operation")
     for name, text in (("process group", e.group), ("profiling_name", e.op),
-                       ("input_dtypes", e.dtype), ("process group desc", e.desc)):
+                       ("input_dtypes", e.dtype), ("process group desc", e.desc),
+                       ("list of tensor sizes and dtypes", e.shape)):
         if len(text) > MAX_TEXT // 2:
             raise DumpError(f"{source}: entry {index} has a {name} of {len(text)} characters; "
                             f"expected at most {MAX_TEXT // 2}")
@@ -370,7 +436,7 @@ def parse_dump(raw: Any, *, source: str, dumped_at_us: int,
     entries_raw = raw.get("entries") or []
     if not isinstance(entries_raw, list | tuple):
         raise DumpError(f"{source}: entries is a {type(entries_raw).__name__}; expected a list")
-    entries = tuple(_entry(e, source, i) for i, e in enumerate(entries_raw))
+    entries = _coalesced(tuple(_entry(e, source, i) for i, e in enumerate(entries_raw)))
     members: dict[str, tuple[int, ...]] = {}
     descs: dict[str, str] = {}
     config = raw.get("pg_config") or {}
@@ -557,8 +623,8 @@ class _Progress:
     last_completed: int = 0
     last_enqueue_us: int = 0
     last_complete_us: int = 0
-    pending: list[tuple[int, str, int, str]] = field(default_factory=list)
-    """(seq, op, nbytes, dtype) of operations entered and not completed, in order."""
+    pending: list[tuple[int, str, int, str, str]] = field(default_factory=list)
+    """(seq, op, nbytes, dtype, shape) of operations entered and not completed, in order."""
 
     def to_progress(self, group: str) -> GroupProgress:
         pending = sorted(p for p in self.pending if p[0] > self.last_completed)
@@ -571,6 +637,7 @@ class _Progress:
             pending_nbytes=last[2] if last else 0, pending_dtype=last[3] if last else "",
             oldest_seq=oldest[0] if oldest else 0, oldest_op=oldest[1] if oldest else "",
             oldest_nbytes=oldest[2] if oldest else 0, oldest_dtype=oldest[3] if oldest else "",
+            pending_shape=last[4] if last else "", oldest_shape=oldest[4] if oldest else "",
         )
 
 
@@ -691,10 +758,10 @@ def _rank_records(
                 group=GroupId(group), seq=seq, op=e.op, nbytes=e.nbytes, dtype=e.dtype,
                 peer=peer_rank, state=CollectiveState.COMPLETED, enqueue_us=at_us,
                 # gloo records no completion time: the operation is stored as taking none
-                complete_us=complete_us,
+                complete_us=complete_us, shape=e.shape,
             ))
         else:
-            p.pending.append((seq, e.op, e.nbytes, e.dtype))
+            p.pending.append((seq, e.op, e.nbytes, e.dtype, e.shape))
     # Groups the rank is in with no entry left in its ring (pg_status, pg_config only).
     for name in set(d.status) | set(d.members):
         ranks = members_of(d, name)

@@ -44,20 +44,22 @@ negative values, never wrapped ones):
   exactly one recv-side row (dst = its rank), both completed: transfer_us = max(complete_us) -
   max(enqueue_us) of those two rows. n, transfer_mean_us, transfer_max_us per (src, dst).
 - Disagreement: a (group, seq) among the non-p2p rows of the window that are not of a counted
-  group (`COUNTED_SUFFIX`: its operations are counted, not calls), completed or failed, whose
-  rows do not all share one op, one nbytes and one dtype, unless they are uneven by design: all
-  share one op that is one of the caller's `uneven_ops` and one dtype, and differ in nbytes only
-  (an all_to_all whose members send different splits). Its ranks with their op, nbytes and
-  dtype, sorted by rank. Listed in group order (`group_order`: shorter ids first, ids of one
-  length by code point, which is ClickHouse's byte order of UTF-8; so ids that are numbers
-  compare as numbers, "727" before "1500"), then by seq; the first `limit` (at least 1) are
-  kept and `Disagreements.dropped` counts the rest. With each, the reference of its siblings: for a
-  disagreement at seq s with m rows, its siblings are the OTHER groups with exactly m rows at
-  seq s among the same rows (non-p2p, not counted, in the window, completed or failed) that
-  all share one op, one nbytes and one dtype (so a disagreeing group is never a sibling). Each
-  sibling votes for its (op, nbytes, dtype); peer_op, peer_nbytes, peer_dtype are the key with
-  the most votes (ties go to the smallest key, comparing op, then nbytes, then dtype, strings by
-  code point) and peer_groups is its number of votes; "", 0, "" and 0 when there is no sibling.
+  group (`COUNTED_SUFFIX`: its operations are counted, not calls), completed or failed, whose rows
+  do not all share one op, one nbytes and one dtype, unless they are uneven by design: all share
+  one op that is one of the caller's `uneven_ops` and one dtype, and differ in nbytes only (an
+  all_to_all whose members send different splits); or, where every row has a shape
+  (`tracing.shapes`), whose shapes differ as `shapes.comparable` compares them. Its ranks with
+  their op, nbytes, dtype and shape, sorted by rank. Listed in group order (`group_order`: shorter
+  ids first, ids of one length by code point, which is ClickHouse's byte order of UTF-8; so ids
+  that are numbers compare as numbers, "727" before "1500"), then by seq; the first `limit` (at
+  least 1) are kept and `Disagreements.dropped` counts the rest. With each, the reference of its
+  siblings: for a disagreement at seq s with m rows, its siblings are the OTHER groups with
+  exactly m rows at seq s among the same rows (non-p2p, not counted, in the window, completed or
+  failed) that all share one op, one nbytes, one dtype and one shape (so a disagreeing group is
+  never a sibling). Each sibling votes for its (op, nbytes, dtype); peer_op, peer_nbytes,
+  peer_dtype are the key with the most votes (ties go to the smallest key, comparing op, then
+  nbytes, then dtype, strings by code point) and peer_groups is its number of votes; "", 0, "" and
+  0 when there is no sibling.
 - NodeWindows: windows of `window_us` aligned at `start_us`, bucket = (enqueue_us - start_us)
   // window_us, ceil((end_us - start_us) / window_us) buckets (the last may be shorter), with
   window_start_us = start_us + bucket * window_us. Rows are the collective rows RankStats counts
@@ -114,9 +116,17 @@ class CollectiveColumns:
     """state == completed (False: failed)."""
     enqueue_us: I64
     complete_us: I64
+    shape: npt.NDArray[np.str_] | None = None
+    """Shape texts (`tracing.shapes`); None: unknown for every row ("")."""
 
     def __len__(self) -> int:
         return int(self.rank.shape[0])
+
+    def shapes(self) -> npt.NDArray[np.str_]:
+        """The shape column, "" for every row where none was given."""
+        if self.shape is None:
+            return np.full(len(self), "", dtype=np.str_)
+        return self.shape
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -213,6 +223,8 @@ class Disagreement:
     ops: tuple[str, ...]
     nbytes: tuple[int, ...]
     dtypes: tuple[str, ...]
+    shapes: tuple[str, ...] = ()
+    """Each rank's shape text (`tracing.shapes`), "" where unknown; () from older sources."""
     peer_op: str = ""
     """What most sibling groups (same seq, as many rows, agreeing) ran; "" without siblings."""
     peer_nbytes: int = 0

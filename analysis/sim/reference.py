@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from tracehound.tracing.shapes import ROOT_SIDE, comparable
 from tracehound.tracing.summaries import (
     COUNTED_SUFFIX,
     F64,
@@ -281,7 +282,21 @@ def disagreements(
     size_split = np.logical_or.reduceat(nbytes != nbytes[head], starts)
     uneven = np.isin(ops, np.asarray(uneven_ops, dtype=np.str_))[opcode[starts]]
     split = kind_split | size_split
-    disagreeing = np.flatnonzero(kind_split | (size_split & ~uneven))
+    shape_split = np.zeros_like(split)
+    if cols.shape is not None:
+        # compared where every row of the (group, seq) has one, as `shapes.comparable` says
+        shape = cols.shape[rows]
+        _, rawcode = factorize(shape)
+        split |= np.logical_or.reduceat(rawcode != rawcode[head], starts)
+        compared = shape.copy()
+        row_ops = cols.op[rows]
+        special = np.isin(row_ops, np.asarray([*uneven_ops, *ROOT_SIDE], np.str_))
+        for i in np.flatnonzero(special):
+            compared[i] = comparable(str(shape[i]), str(row_ops[i]), uneven_ops)
+        _, code = factorize(compared)
+        known = np.logical_and.reduceat(np.char.str_len(shape) > 0, starts)
+        shape_split = np.logical_or.reduceat(code != code[head], starts) & known
+    disagreeing = np.flatnonzero(kind_split | (size_split & ~uneven) | shape_split)
     bad = disagreeing[:limit]
     if bad.shape[0] == 0:
         return Disagreements()
@@ -302,6 +317,7 @@ def disagreements(
             ops=tuple(str(o) for o in cols.op[part]),
             nbytes=tuple(int(b) for b in cols.nbytes[part]),
             dtypes=tuple(str(d) for d in cols.dtype[part]),
+            shapes=tuple(str(t) for t in cols.shapes()[part]),
             peer_op=str(ops[peer[0]]) if peer else "",
             peer_nbytes=peer[1] if peer else 0,
             peer_dtype=str(dtypes[peer[2]]) if peer else "",

@@ -35,6 +35,7 @@ class Row:
     completed: bool
     enqueue_us: int
     complete_us: int
+    shape: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,7 @@ def columns(rows: Sequence[Row]) -> CollectiveColumns:
         rank=ints("rank"), group=texts("group"), seq=ints("seq"), op=texts("op"),
         nbytes=ints("nbytes"), dtype=texts("dtype"), peer=ints("peer"),
         completed=np.array([r.completed for r in rows], dtype=np.bool_),
-        enqueue_us=ints("enqueue_us"), complete_us=ints("complete_us"),
+        enqueue_us=ints("enqueue_us"), complete_us=ints("complete_us"), shape=texts("shape"),
     )
 
 
@@ -184,7 +185,11 @@ SIBLING_EXAMPLE = (
 
 
 GROUPS = ("0", "1", "a", "0:p2p:1-2", "0:p2p:2-3")
-OPS = ("all_reduce", "broadcast", "send", "recv", "isend", "irecv", "all_to_all_single")
+SHAPES = ("", "", "[2]:f", "[2]:f -> [4]:f", "[3]:f -> [4]:f", "[2]:f -> [4]:h", " -> [4]:f")
+"""Unknown, agreeing, and differing in an input's size, an output's size or dtype, or in
+what a rooted op's root alone passes."""
+OPS = ("all_reduce", "broadcast", "send", "recv", "isend", "irecv", "all_to_all_single",
+       "gather", "scatter")
 
 
 @st.composite
@@ -204,6 +209,7 @@ def small_cases(draw: st.DrawFn) -> Case:
             nbytes=draw(st.sampled_from((8, 16))), dtype=draw(st.sampled_from(("f", "h"))),
             peer=-1, completed=completed, enqueue_us=enqueue,
             complete_us=enqueue + draw(st.integers(-3, 20)) if completed else 0,
+            shape=draw(st.sampled_from(SHAPES)),
         ))
     start = T0 + draw(st.integers(-2, 10))
     end = start + draw(st.integers(0, 25))

@@ -51,14 +51,16 @@ def test_the_derived_tables_keep_the_columns_stored_data_already_has() -> None:
         "batch_id String", "job String", "attempt UInt32", "node String", "rank UInt32",
         "group_id String", "seq UInt64", "op String", "nbytes UInt64", "dtype String",
         "peer Int32", "state String", "enqueue_us UInt64", "complete_us UInt64",
+        # added later, like the heartbeats' below
+        "shape String",
     ]
-    assert by_name["heartbeats"].column_names[-13:] == (
+    assert by_name["heartbeats"].column_names[-15:] == (
         "group_ids", "group_last_enqueued", "group_last_completed", "group_pending_op",
         "group_last_enqueue_us", "group_last_complete_us",
         # added later: ensure_schema adds them to an older store (test_store_contract)
         "group_pending_nbytes", "group_pending_dtype",
         "group_oldest_seq", "group_oldest_op", "group_oldest_nbytes", "group_oldest_dtype",
-        "resumed_us",
+        "group_pending_shape", "group_oldest_shape", "resumed_us",
     )
     assert [f"{c.name} {c.type}" for c in by_name["incidents"].columns] == [
         "job String", "incident_id String", "attempt UInt32", "detected_at_us UInt64",

@@ -143,6 +143,7 @@ def test_insert_columns_writes_rows_the_store_reads_back(store: TraceStore) -> N
             op=str(c.op[i]), nbytes=int(c.nbytes[i]), dtype=str(c.dtype[i]), peer=int(c.peer[i]),
             state=CollectiveState.COMPLETED if c.completed[i] else CollectiveState.FAILED,
             enqueue_us=int(c.enqueue_us[i]), complete_us=int(c.complete_us[i]),
+            shape=str(c.shapes()[i]),
         )
         for i in range(len(c))
     ]
@@ -215,6 +216,7 @@ def as_batch(job: JobId, case: Case, batch_id: str) -> Batch:
             op=str(c.op[i]), nbytes=int(c.nbytes[i]), dtype=str(c.dtype[i]), peer=int(c.peer[i]),
             state=CollectiveState.COMPLETED if c.completed[i] else CollectiveState.FAILED,
             enqueue_us=int(c.enqueue_us[i]), complete_us=int(c.complete_us[i]),
+            shape=str(c.shapes()[i]),
         )
         for i in range(len(c))
     ))

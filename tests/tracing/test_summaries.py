@@ -28,6 +28,7 @@ from summary_data import (
 )
 
 from tracehound.analysis.sim import reference
+from tracehound.tracing import shapes as shapes_mod
 from tracehound.tracing import summaries
 from tracehound.tracing.summaries import (
     ClockCorrection,
@@ -47,7 +48,8 @@ def rows_of(cols: CollectiveColumns) -> list[Row]:
         Row(rank=int(cols.rank[i]), group=str(cols.group[i]), seq=int(cols.seq[i]),
             op=str(cols.op[i]), nbytes=int(cols.nbytes[i]), dtype=str(cols.dtype[i]),
             peer=int(cols.peer[i]), completed=bool(cols.completed[i]),
-            enqueue_us=int(cols.enqueue_us[i]), complete_us=int(cols.complete_us[i]))
+            enqueue_us=int(cols.enqueue_us[i]), complete_us=int(cols.complete_us[i]),
+            shape=str(cols.shapes()[i]))
         for i in range(len(cols))
     ]
 
@@ -150,18 +152,21 @@ def naive_disagreements(case: Case, limit: int = 100, uneven_ops: tuple[str, ...
                                      key=lambda kv: (len(kv[0][0]), kv[0][0], kv[0][1])):
         rows.sort(key=lambda r: r.rank)
         uneven = len({(r.op, r.dtype) for r in rows}) == 1 and rows[0].op in uneven_ops
-        if len({(r.op, r.nbytes, r.dtype) for r in rows}) > 1 and not uneven:
+        # shapes count where every row has one, compared as `shapes.comparable` says
+        shapes = {shapes_mod.comparable(r.shape, r.op, uneven_ops) for r in rows}
+        shape_split = all(r.shape for r in rows) and len(shapes) > 1
+        if (len({(r.op, r.nbytes, r.dtype) for r in rows}) > 1 and not uneven) or shape_split:
             votes: Counter[tuple[str, int, str]] = Counter()
             for (other, other_seq), theirs in by_seq.items():
                 keys = {(r.op, r.nbytes, r.dtype) for r in theirs}
                 if (other != group and other_seq == seq and len(theirs) == len(rows)
-                        and len(keys) == 1):
+                        and len(keys) == 1 and len({r.shape for r in theirs}) == 1):
                     votes[keys.pop()] += 1
             peer, n = min(votes.items(), key=lambda kv: (-kv[1], kv[0]), default=(("", 0, ""), 0))
             out.append(Disagreement(
                 group=group, seq=seq, ranks=tuple(r.rank for r in rows),
                 ops=tuple(r.op for r in rows), nbytes=tuple(r.nbytes for r in rows),
-                dtypes=tuple(r.dtype for r in rows),
+                dtypes=tuple(r.dtype for r in rows), shapes=tuple(r.shape for r in rows),
                 peer_op=peer[0], peer_nbytes=peer[1], peer_dtype=peer[2], peer_groups=n,
             ))
     return summaries.Disagreements(out[:limit], dropped=max(0, len(out) - limit))
@@ -318,7 +323,8 @@ def test_a_worked_example() -> None:
     assert links.transfer_mean_us.tolist() == links.transfer_max_us.tolist() == [17.0]
     assert reference.disagreements(case.cols, case.start_us, case.end_us) == (
         Disagreement(group="0", seq=2, ranks=(0, 1, 2), ops=("all_reduce", "broadcast",
-                     "all_reduce"), nbytes=(8, 8, 8), dtypes=("float32",) * 3),
+                     "all_reduce"), nbytes=(8, 8, 8), dtypes=("float32",) * 3,
+                     shapes=("",) * 3),
     )
     windows = reference.node_windows(case.cols, case.node_of_rank, case.start_us, case.end_us,
                                      case.window_us)

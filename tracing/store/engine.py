@@ -284,9 +284,10 @@ class SqlTraceStore(abc.ABC):
         TraceStore docstring for atomicity); returns the number of rows written."""
         n = len(cols)
         for name in ("group", "seq", "op", "nbytes", "dtype", "peer", "completed",
-                     "enqueue_us", "complete_us"):
-            if getattr(cols, name).shape != (n,):
-                raise ValueError(f"column {name!r} has shape {getattr(cols, name).shape}, "
+                     "enqueue_us", "complete_us", "shape"):
+            column = cols.shapes() if name == "shape" else getattr(cols, name)
+            if column.shape != (n,):
+                raise ValueError(f"column {name!r} has shape {column.shape}, "
                                  f"expected ({n},) like 'rank'")
         if n == 0:
             return 0
@@ -305,7 +306,7 @@ class SqlTraceStore(abc.ABC):
             np.full(n, np.str_(batch_id)), np.full(n, np.str_(job)),
             np.full(n, attempt, dtype=np.int64), nodes[code.reshape(-1)], cols.rank, cols.group,
             cols.seq, cols.op, cols.nbytes, cols.dtype, cols.peer, state, cols.enqueue_us,
-            cols.complete_us,
+            cols.complete_us, cols.shapes(),
         ]
         self._insert_arrays(COLLECTIVES, columns)
         return n
@@ -401,12 +402,12 @@ class SqlTraceStore(abc.ABC):
         kept = [
             Disagreement(
                 group=g, seq=int(seq), ranks=tuple(int(r) for r in ranks), ops=tuple(ops),
-                nbytes=tuple(int(b) for b in sizes), dtypes=tuple(dtypes), peer_op=peer_op,
-                peer_nbytes=int(peer_nbytes), peer_dtype=peer_dtype,
-                peer_groups=int(peer_groups),
+                nbytes=tuple(int(b) for b in sizes), dtypes=tuple(dtypes),
+                shapes=tuple(shapes), peer_op=peer_op, peer_nbytes=int(peer_nbytes),
+                peer_dtype=peer_dtype, peer_groups=int(peer_groups),
             )
-            for g, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups,
-            _ in rows
+            for g, seq, ranks, ops, sizes, dtypes, shapes, peer_op, peer_nbytes, peer_dtype,
+            peer_groups, _ in rows
         ]
         total = int(rows[0][-1]) if rows else 0
         return Disagreements(kept, dropped=total - len(kept))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from tracehound.tracing import summaries
+from tracehound.tracing import shapes, summaries
 from tracehound.tracing.events import CollectiveState
 from tracehound.tracing.store.schema import (
     ACTIONS,
@@ -281,19 +281,22 @@ def aligned_time(column: str, nodes: int) -> str:
 # members) by LIMIT 1 BY (so ANY and ALL join alike). Without a sibling the LEFT JOIN gives the
 # column defaults '' and 0 (join_use_nulls stays off on both engines). A (group, seq) of one op
 # in `{uneven_ops}` and one dtype, whose sizes alone differ, is uneven by design and is left out
-# before the limit. `{uneven_ops}` becomes an array of one `{uneven_<i>:String}` placeholder per
-# op, or `emptyArrayString()` without any (`has([], x)` is a type error on 18.16). `total`
-# counts every disagreeing (group, seq) before the limit, in a scalar subquery over the same
-# rows (`<disagreeing>`: one text for both; 18.16 has no window functions), so the caller can
-# say how many the limit dropped.
+# before the limit. Shapes (`tracing.shapes`) disagree only where every row has one, and are
+# compared as `shapes.comparable` says: without the root's side of a gather or scatter, and
+# without sizes for an uneven op. `{uneven_ops}` becomes an array of one `{uneven_<i>:String}`
+# placeholder per op, or `emptyArrayString()` without any (`has([], x)` is a type error on
+# 18.16). `total` counts every disagreeing (group, seq) before the limit, in a scalar subquery
+# over the same rows (`<disagreeing>`: one text for both; 18.16 has no window functions), so
+# the caller can say how many the limit dropped.
 SQL_DISAGREEMENTS = """
-SELECT group_id, seq, ranks, ops, sizes, dtypes, peer_op, peer_nbytes, peer_dtype, peer_groups,
-       (SELECT count() FROM (SELECT seq <disagreeing>)) AS total
+SELECT group_id, seq, ranks, ops, sizes, dtypes, shapes, peer_op, peer_nbytes, peer_dtype,
+       peer_groups, (SELECT count() FROM (SELECT seq <disagreeing>)) AS total
 FROM (
     SELECT group_id, seq, count() AS members, arraySort(groupArray(rank)) AS ranks,
            arraySort((x, r) -> r, groupArray(op), groupArray(rank)) AS ops,
            arraySort((x, r) -> r, groupArray(nbytes), groupArray(rank)) AS sizes,
-           arraySort((x, r) -> r, groupArray(dtype), groupArray(rank)) AS dtypes
+           arraySort((x, r) -> r, groupArray(dtype), groupArray(rank)) AS dtypes,
+           arraySort((x, r) -> r, groupArray(shape), groupArray(rank)) AS shapes
     <disagreeing>
     ORDER BY lengthUTF8(group_id), group_id, seq
     LIMIT {limit:UInt64}
@@ -309,6 +312,7 @@ ANY LEFT JOIN (
           AND position(group_id, {p2p:String}) = 0 AND NOT endsWith(group_id, {counted:String})
         GROUP BY group_id, seq
         HAVING uniqExact(op) = 1 AND uniqExact(nbytes) = 1 AND uniqExact(dtype) = 1
+           AND uniqExact(shape) = 1
     )
     GROUP BY seq, members, peer_op, peer_nbytes, peer_dtype
     ORDER BY seq, members, peer_groups DESC, peer_op, peer_nbytes, peer_dtype
@@ -322,7 +326,16 @@ ORDER BY lengthUTF8(group_id), group_id, seq
       AND position(group_id, {p2p:String}) = 0 AND NOT endsWith(group_id, {counted:String})
     GROUP BY group_id, seq
     HAVING uniqExact(op) > 1 OR uniqExact(dtype) > 1
-        OR (uniqExact(nbytes) > 1 AND NOT has({uneven_ops}, any(op)))""")
+        OR (uniqExact(nbytes) > 1 AND NOT has({uneven_ops}, any(op)))
+        OR (min(shape) != {unknown:String} AND uniqExact(<comparable>) > 1)""").replace(
+    "<comparable>", """if(has({uneven_ops}, op),
+                          replaceRegexpAll(<rooted>, {shape_sizes:String}, {unknown:String}),
+                          <rooted>)""").replace(
+    "<rooted>", """multiIf(op = {gather_op:String},
+                           replaceRegexpAll(shape, {shape_outputs:String}, {unknown:String}),
+                           op = {scatter_op:String},
+                           replaceRegexpAll(shape, {shape_inputs:String}, {unknown:String}),
+                           shape)""")
 
 SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGREEMENTS,
                    SQL_CLOCK_SAMPLES)
@@ -331,6 +344,12 @@ SUMMARY_QUERIES = (SQL_RANK_STATS, SQL_NODE_WINDOWS, SQL_LINK_STATS, SQL_DISAGRE
 SUMMARY_CONSTANTS: dict[str, Param] = {
     "p2p": summaries.P2P_MARK,
     "counted": summaries.COUNTED_SUFFIX,
+    "shape_sizes": shapes.SIZES,
+    "shape_outputs": shapes.OUTPUTS,
+    "shape_inputs": shapes.INPUTS,
+    "gather_op": "gather",
+    "scatter_op": "scatter",
+    "unknown": "",
     "completed": CollectiveState.COMPLETED.value,
     "send_op": summaries.SEND_OPS[0],
     "isend_op": summaries.SEND_OPS[1],
