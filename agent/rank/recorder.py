@@ -87,6 +87,38 @@ _MAX_POLLED = 4096
 INFLIGHT_HEARTBEAT_S = 0.1
 """Heartbeat interval while a call has been in flight for longer than `inflight_s`."""
 
+DEVICE_BACKENDS = ("nccl", "xccl")
+"""Backends whose calls return to the CPU once their work is enqueued on an accelerator's
+stream, and complete later, when the device has done it. A call of such a group is complete when
+its work is (`Recorder.device_marker`), not when it returns."""
+
+
+class _DeviceDone:
+    """Whether the work enqueued on the current CUDA stream so far has run: a CUDA event
+    recorded there, read like a Work (`is_completed`, `exception`) by the poller."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def exception(self) -> None:
+        return None
+
+
+def cuda_marker() -> _DeviceDone:
+    """A marker of the work enqueued on the current CUDA stream (the default `device_marker`
+    where CUDA is available). After a synchronous collective returns, the current stream waits
+    for the collective's own stream, so the marker completes when the collective has."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return _DeviceDone(event)
+
 
 _DTYPE_NAMES: dict[Any, str] = {}
 """dtype -> its name without "torch." (what records carry), filled as dtypes are met."""
@@ -146,7 +178,8 @@ class _Group:
     a field only the calling thread writes. Readers take the larger of `done` and
     `returned`."""
 
-    __slots__ = ("counted", "done", "in_flight", "last", "name", "pruned_at", "returned", "seqs")
+    __slots__ = ("counted", "device", "done", "in_flight", "last", "name", "pruned_at",
+                 "returned", "seqs")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -166,6 +199,9 @@ class _Group:
         self.pruned_at = 0
         """last_completed when in_flight was last pruned (a full dict is pruned only after it
         moved)."""
+        self.device = False
+        """Its calls complete on an accelerator after they return (`DEVICE_BACKENDS`): a
+        synchronous call stays in flight until the device has done its work."""
         self.counted: Any = None
         """What counts the backend ops of this group's calls, when the group's other traffic is
         counted rather than recorded call by call (`hooks.ddp._DdpCount`): the wrappers let it read
@@ -313,6 +349,13 @@ class Recorder:
         self._watchers: list[weakref.WeakMethod[Callable[[], None]]] = []
         # Called at each training step (after the settlers), on the training thread; weak too.
         self._step_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self.device_marker: Callable[[], Any] | None = None
+        """Makes a marker of the work enqueued on the device so far (`is_completed()`,
+        `exception()`), for the groups of a `DEVICE_BACKENDS` backend: `cuda_marker` once such
+        a group is created where CUDA is available; tests put their own."""
+        self.device_fallbacks = 0
+        """Synchronous calls of a device group taken as complete when they returned: no marker
+        could be made (counted, and the error noted once)."""
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._resumed_unsent = False
@@ -460,12 +503,37 @@ class Recorder:
         return token
 
     def returned(self, token: Token) -> None:
-        """The synchronous call of `token` (`enter`) returned: queue its event."""
+        """The synchronous call of `token` (`enter`) returned: queue its event, or, in a device
+        group, watch for its work to complete (`on_device`)."""
         group, seq, op, nbytes, dtype, peer, enqueued = token
+        if group.device and self.on_device(token):
+            return
         now = _time_ns() if self.wall_clock else self.clock() * 1000
         if seq > group.returned[0]:
             group.returned = (seq, now)
         self._offer((self.ident, group.name, seq, op, nbytes, dtype, peer, False, enqueued, now))
+
+    def on_device(self, token: Token) -> bool:
+        """A synchronous call of a device group returned, its work enqueued: keep it in flight
+        until a marker made now says the device has done it (polled from the heartbeat thread,
+        `poll_later`). False when no marker could be made: the caller takes the call as
+        complete (counted in `device_fallbacks`)."""
+        make = self.device_marker
+        try:
+            if make is None:
+                raise RuntimeError("no device marker")
+            marker = make()
+        except Exception as exc:
+            self.device_fallbacks += 1
+            if self.device_fallbacks == 1:
+                self.note_error("device completion", exc)
+            return False
+        group, seq = token[0], token[1]
+        with self._lock:
+            if len(group.in_flight) < _MAX_IN_FLIGHT:
+                group.in_flight[seq] = token
+        self.poll_later(marker, token, ordered=True)
+        return True
 
     def end(self, token: Token, ok: bool, *, peer: int | None = None) -> None:
         """The operation `token` finished (ok) or failed on this rank; queue its event."""
@@ -601,13 +669,28 @@ class Recorder:
         self.ident = (job, attempt, node, rank)
 
     def group_created(self, group_name: str, ranks: tuple[int, ...], backend: str) -> None:
-        """A process group this rank belongs to was created."""
+        """A process group this rank belongs to was created. Its calls complete on the device
+        when its backend is one of `DEVICE_BACKENDS` and CUDA is available (or a test set
+        `device_marker`)."""
+        device = backend.lower() in DEVICE_BACKENDS and self._device_ready()
         with self._lock:
-            self._group(group_name)
+            self._group(group_name).device = device
         self._offer(ProcessGroupInfo(
             job=JobId(self.job), attempt=self.attempt, rank=Rank(self.rank),
             group=GroupId(group_name), ranks=ranks, backend=backend, time_us=self.clock(),
         ))
+
+    def _device_ready(self) -> bool:
+        """Whether device markers can be made (`cuda_marker` is taken when CUDA is there)."""
+        if self.device_marker is None:
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    self.device_marker = cuda_marker
+            except Exception as exc:
+                self.note_error("device completion", exc)
+        return self.device_marker is not None
 
     # -- steps --------------------------------------------------------------------------------
 

@@ -181,6 +181,11 @@ class _Installer:
             return
         if isinstance(result, self.future_type):
             future = result  # all_reduce_coalesced / all_gather_coalesced return a Future
+        elif token[0].device:
+            # a device group's future completes when the work is enqueued; the Work's
+            # is_completed() when the device has done it
+            recorder.poll_later(result, token, ordered=ordered)
+            return
         else:
             try:
                 future = result.get_future()

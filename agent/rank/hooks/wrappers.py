@@ -66,6 +66,8 @@ _COLLECTIVE_WRAPPER = '''
         try:
             if _async:
                 _finish_work(_op, _token, _result, ordered=True)
+            elif _state.device:  # complete when the device has done it, not on return
+                _recorder.returned(_token)
             else:  # Recorder.returned, inline (its _offer too)
                 _now = NOW
                 if _seq > _state.returned[0]:
