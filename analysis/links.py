@@ -1,15 +1,20 @@
 """Communication slow: a link, or one node's network, slower than comparable ones.
 
 Reads `Observation.links` (LinkStats: per (src, dst) point-to-point transfer times, measured from
-the later of the two enqueues, so a late sender's compute does not count). Links are compared
-within their class only (both ends on one node vs on two nodes: NVLink and the network differ by
-an order of magnitude). A link is slow when its mean transfer time is `link_min_z` robust
-deviations (1.4826 MAD) and `link_min_ratio` x above its class median; a link's mean is taken
-without its single worst transfer (n * mean - max) / (n - 1), so one network hiccup (a transfer
-stalled for 300 ms) does not make a link slow, while a consistently slow link stays slow. The
-margin shrinks with the link's transfers past `link_full_margin_transfers` (a hiccup left after
-trimming weighs less in a longer mean), to `link_node_min_ratio` at most: a link 2x slower in
-bandwidth moves a transfer that also pays fixed latency about 1.3-1.5x slower.
+the later of the two enqueues to the earlier of the two completions, so a late sender's compute
+does not count, nor a side whose call also waited for something else: Megatron's non-batched p2p
+sends and receives the next input in one call). Links are compared within their class only (both
+ends on one node vs on two nodes: NVLink and the network differ by an order of magnitude), and
+within it against the links of the same pipeline boundary (from the same stage to the same stage,
+`_boundaries`) where there are enough of them: the schedule's issue order makes some boundaries'
+transfers look longer than others' on a healthy job, the same for every replica. A link is slow
+when its mean transfer time over its boundary's median is `link_min_z` robust deviations (1.4826
+MAD) above the class's such ratios and `link_min_ratio` x; a link's mean is taken without its
+single worst transfer (n * mean - max) / (n - 1), so one network hiccup (a transfer stalled for
+300 ms) does not make a link slow, while a consistently slow link stays slow. The margin shrinks
+with the link's transfers past `link_full_margin_transfers` (a hiccup left after trimming weighs
+less in a longer mean), to `link_node_min_ratio` at most: a link 2x slower in bandwidth moves a
+transfer that also pays fixed latency about 1.3-1.5x slower.
 
 A node is judged on all its links together, so each needs less margin (`link_node_min_ratio`):
 when such slow links reach at least two different peers of a node and make up
@@ -50,12 +55,41 @@ from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.straggler import compute_stragglers
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
 from tracehound.tracing.events import IncidentKind
-from tracehound.tracing.summaries import F64, I64
+from tracehound.tracing.summaries import F64, I64, LinkStats
 
 _FLOOR_US = 1.0
 _REL_FLOOR = 0.05
 _END_MARGIN = 1.1
 """The receiver is named first only when its other links are 10% slower than the sender's."""
+
+
+_MIN_BOUNDARY_PEERS = 4
+"""Links of one pipeline boundary that are compared among themselves (fewer: with their whole
+class)."""
+
+
+def _boundaries(obs: Observation, links: LinkStats) -> I64:
+    """A label per link: the pipeline boundary it crosses, as (stage of its source, stage of
+    its destination). A stage is a set of ranks that do the same work (`role_groups`: tensor
+    and data parallel groups, one rank of each pipeline) joined together; a rank in no such
+    group is a stage of its own."""
+    ranks = np.unique(np.concatenate([links.src, links.dst]))
+    parent = np.arange(ranks.shape[0])
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = int(parent[i])
+        return i
+
+    for positions in role_groups(obs.snapshot, links, ranks):
+        first = root(int(positions[0]))
+        for p in positions[1:]:
+            parent[root(int(p))] = first
+    stage = np.array([root(i) for i in range(ranks.shape[0])], dtype=np.int64)
+    src = stage[np.searchsorted(ranks, links.src)]
+    dst = stage[np.searchsorted(ranks, links.dst)]
+    return src * ranks.shape[0] + dst
 
 
 def _other_links_ratio(rank: int, skip: tuple[int, int], *, src: I64, dst: I64, ratio: F64,
@@ -120,6 +154,7 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
         links.transfer_mean_us,
     ).astype(np.float64)
     intra = src_code == dst_code
+    boundary = _boundaries(obs, links)
 
     z = np.zeros_like(transfer)
     ratio = np.ones_like(transfer)
@@ -130,13 +165,21 @@ def detect_slow_link(obs: Observation, settings: DetectionSettings) -> Verdict |
         in_class = int(sel.sum())
         if in_class < settings.link.min_comparable:
             continue
-        center = float(np.median(transfer[sel]))
-        mad = float(np.median(np.abs(transfer[sel] - center))) * 1.4826
-        scale = max(mad, _REL_FLOOR * center, _FLOOR_US)
-        z[sel] = (transfer[sel] - center) / scale
-        ratio[sel] = transfer[sel] / max(center, _FLOOR_US)
-        median[sel] = center
-        comparable[sel] = in_class
+        class_center = float(np.median(transfer[sel]))
+        median[sel], comparable[sel] = class_center, in_class
+        # each link against the links of its own boundary where they are enough to have a
+        # median of their own: the schedule's issue order makes some boundaries' transfers
+        # look longer than others' on a healthy job
+        for b in np.unique(boundary[sel]):
+            peers = sel & (boundary == b)
+            if int(peers.sum()) >= _MIN_BOUNDARY_PEERS:
+                median[peers] = float(np.median(transfer[peers]))
+                comparable[peers] = int(peers.sum())
+        ratio[sel] = transfer[sel] / np.maximum(median[sel], _FLOOR_US)
+        center = float(np.median(ratio[sel]))
+        mad = float(np.median(np.abs(ratio[sel] - center))) * 1.4826
+        scale = max(mad, _REL_FLOOR * center, _FLOOR_US / max(class_center, _FLOOR_US))
+        z[sel] = (ratio[sel] - center) / scale
     # One hiccup left after trimming lifts a link's mean by its size over the link's transfers:
     # a link of many transfers needs less margin (down to the node margin) than one of a dozen.
     needed = np.maximum(

@@ -41,7 +41,11 @@ below say nothing of a gradual fault's first window after its start):
 - fp_per_window: consecutive detection windows (at least 10 s and 6 steps each, as the
   supervisor widens its window) of long healthy jobs (>= 1,000 windows without --quick), the
   share with any verdict, by kind, and what that rate means per job-day; stalls (a busy rank
-  named, nothing done) are counted apart from actionable kinds.
+  named, nothing done) are counted apart from actionable kinds;
+- by_layout: per layout (DDP, ZeRO-3, MoE, Megatron pp 2, 1F1B pp 4, and Megatron's
+  non-batched p2p in parity order at pp 4 and interleaved pp 4 and 8: `LAYOUTS`), at 256
+  ranks, the false verdicts over consecutive healthy windows and the straggler recall below and
+  from 1.3x.
 
 It also times ONE `diagnose_observation` call on a healthy window of 1,024, 10,240 and 32,768
 ranks, pinned to one core (the observation is built outside the timed region), and with
@@ -346,6 +350,64 @@ def fp_per_window(windows: int, seed: int, skew_ms: float,
     }
 
 
+LAYOUTS: tuple[tuple[str, str, int, int, bool], ...] = (
+    ("ddp", "ddp", 1, 1, False),
+    ("zero3", "zero3", 1, 1, False),
+    ("moe pp2", "moe", 4, 2, False),
+    ("megatron pp2", "1f1b", 4, 2, False),
+    ("1f1b pp4, sends posted", "1f1b", 4, 4, False),
+    ("megatron pp4, parity order", "1f1b", 4, 4, True),
+    ("interleaved pp4, parity order", "interleaved", 4, 4, True),
+    ("interleaved pp8, parity order", "interleaved", 2, 8, True),
+)
+"""(name, workload, tp, pp, combined_p2p) of the layouts judged one by one; "parity order":
+Megatron's non-batched p2p (`Workload.combined_p2p`)."""
+
+
+def by_layout(jobs: int, windows: int, stragglers: int, skew_ms: float,
+              ranks: int = 256) -> dict[str, dict[str, Any]]:
+    """Per layout (`LAYOUTS`), at `ranks` ranks: `jobs` healthy jobs judged over `windows`
+    consecutive windows each, the windows with a verdict (stalls apart: observed only) and of
+    which kind; and `stragglers` straggler scenarios, recall below and from 1.3x (the right kind
+    and first culprit), and what the missed ones got instead."""
+    out: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    for li, (name, kind, tp, pp, combined) in enumerate(LAYOUTS):
+        shape = {"workload": kind, "tp": tp if kind not in ("ddp", "zero3") else None,
+                 "pp": pp if kind not in ("ddp", "zero3") else None}
+        kinds: Counter[str] = Counter()
+        judged = 0
+        for j in range(jobs):
+            for w in consecutive_windows(ranks=ranks, seed=90_000 + 100 * li + j, count=windows,
+                                         window_steps=6, skew_ms=skew_ms,
+                                         combined_p2p=combined, **shape):
+                verdict = diagnose_observation(w.observation())
+                judged += 1
+                if verdict is not None and verdict.kind.value != "stall":
+                    kinds[verdict.kind.value] += 1
+        found: dict[str, list[bool]] = {"below_1.3": [], "from_1.3": []}
+        instead: Counter[str] = Counter()
+        for k in range(stragglers):
+            sim = simulate(ranks=ranks, fault="straggler", seed=95_000 + 100 * li + k,
+                           skew_ms=skew_ms, combined_p2p=combined, **shape)
+            verdict = diagnose_observation(sim.observation())
+            hit = verdict is not None and verdict.kind.value == "straggler" and right(sim,
+                                                                                       verdict)
+            found["from_1.3" if sim.truth.size >= 1.3 else "below_1.3"].append(hit)
+            if not hit:
+                instead[verdict.kind.value if verdict else "none"] += 1
+        out[name] = {
+            "healthy_windows": judged, "false_verdicts": sum(kinds.values()),
+            "by_kind": dict(sorted(kinds.items())),
+            "straggler_recall": {band: {"n": len(hits), "recall": _ratio(sum(hits), len(hits))}
+                                 for band, hits in found.items()},
+            "stragglers_missed_as": dict(sorted(instead.items())),
+        }
+        say(f"layout {name}: {sum(kinds.values())} false verdicts in {judged} healthy windows; "
+            f"stragglers {out[name]['straggler_recall']} ({time.monotonic() - started:.0f} s)")
+    return out
+
+
 def by_skew(scenarios: list[tuple[str, int, int]]) -> dict[str, dict[str, Any]]:
     """Every class at clock offsets of 0, 5 and 20 ms (the same scenarios each time)."""
     out: dict[str, dict[str, Any]] = {}
@@ -569,6 +631,8 @@ def main() -> int:
     windows = args.windows if args.windows is not None else (150 if args.quick else 1000)
     result["fp_per_window"] = fp_per_window(windows, 31_337, args.skew_ms)
     result["over_time"] = over_time(4 if args.quick else 24, 4_242, args.skew_ms)
+    result["by_layout"] = (by_layout(1, 5, 3, args.skew_ms) if args.quick
+                           else by_layout(3, 20, 16, args.skew_ms))
     if not args.quick:
         result["by_skew"] = by_skew(scenarios[::3])
     result["analysis_s"] = {} if args.no_timing else analysis_seconds(TIMED_RANKS)
@@ -638,6 +702,13 @@ def table(result: dict[str, Any]) -> str:
     if "store" in result:
         lines.append(f"store path agrees with numpy path: {result['store']['all_equal']}")
     lines.append(f"{result['scenarios']} scenarios in {result['elapsed_s']} s")
+    for name, m in result.get("by_layout", {}).items():
+        rec = m["straggler_recall"]
+        lines.append(f"layout {name}: {m['false_verdicts']} false verdicts in "
+                     f"{m['healthy_windows']} healthy windows; stragglers >= 1.3x "
+                     f"{fmt(rec['from_1.3']['recall']).strip()} (n={rec['from_1.3']['n']}), "
+                     f"below {fmt(rec['below_1.3']['recall']).strip()} "
+                     f"(n={rec['below_1.3']['n']})")
     return "\n".join(lines)
 
 

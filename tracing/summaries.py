@@ -41,8 +41,11 @@ negative values, never wrapped ones):
 - LinkStats, per (src, dst) over p2p pair groups (`":p2p:"` in the group id). Per (group, seq),
   only its send-side rows (op send/isend) and recv-side rows (op recv/irecv) count, any other op
   is ignored; it is a transfer when there is exactly one send-side row (src = its rank) and
-  exactly one recv-side row (dst = its rank), both completed: transfer_us = max(complete_us) -
-  max(enqueue_us) of those two rows. n, transfer_mean_us, transfer_max_us per (src, dst).
+  exactly one recv-side row (dst = its rank), both completed: transfer_us = min(complete_us) -
+  max(enqueue_us) of those two rows, at least 0 (from the moment both sides posted to the first
+  side's completion: a side whose call also waited for something else, such as a send issued in
+  one call with the next receive, completes later than the transfer did). n, transfer_mean_us,
+  transfer_max_us per (src, dst).
 - Disagreement: a (group, seq) among the non-p2p rows of the window that are not of a counted
   group (`COUNTED_SUFFIX`: its operations are counted, not calls), completed or failed, whose rows
   do not all share one op, one nbytes and one dtype, unless they are uneven by design: all share

@@ -451,8 +451,9 @@ class Engine:
         return np.where(es >= self.stop_all[senders], INF, es), self._next_seq(key), key[1]
 
     def deliver(self, msg: Message, senders: I64, receivers: I64, gids: I64, *, nbytes: int,
-                base_us: float, block_sender: bool = False) -> None:
-        """Receivers take the posted `msg`: the transfer starts once both ends are there."""
+                base_us: float, block_sender: bool = False) -> tuple[int, int]:
+        """Receivers take the posted `msg`: the transfer starts once both ends are there.
+        Returns where the send and the receive were recorded (for `complete_together`)."""
         es, seq, _ = msg
         k = senders.shape[0]
         er = self.t[receivers]
@@ -466,6 +467,7 @@ class Engine:
         cr = np.where(done > self.stop_all[receivers], INF, done + self.rng.uniform(0, 5.0, k))
         sizes = np.full(k, nbytes, dtype=np.int64)
         bf16 = np.full(k, _DT["bfloat16"], dtype=np.int64)
+        sent_at = len(self._chunks.rank)
         self._record(senders, gids, seq, op=np.full(k, _OP["send"], dtype=np.int64),
                      nbytes=sizes, dtype=bf16, peer=receivers, enq=es, comp=cs)
         self._record(receivers, gids, seq, op=np.full(k, _OP["recv"], dtype=np.int64),
@@ -476,3 +478,14 @@ class Engine:
             self.comm_free[senders] = np.maximum(self.comm_free[senders],
                                                  np.where(np.isfinite(es), cs, INF))
         self.t[receivers] = np.where(np.isfinite(er), cr, INF)
+        return sent_at, sent_at + 1
+
+    def complete_together(self, a: int, b: int) -> None:
+        """Records `a` and `b` (where `deliver` put them) were issued in one call that waits for
+        both (Megatron's non-batched p2p): each rank's completion in both is the later of its
+        two."""
+        c = self._chunks
+        _, ia, ib = np.intersect1d(c.rank[a], c.rank[b], return_indices=True)
+        both = np.maximum(c.comp[a][ia], c.comp[b][ib])
+        c.comp[a][ia] = both
+        c.comp[b][ib] = both

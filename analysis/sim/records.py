@@ -434,7 +434,7 @@ def _info(topo: Topology, w: Workload, est_step_us: float,
             "step_ms": round(est_step_us / 1000, 1), "fwd_ms": round(w.fwd_us / 1000, 2),
             "act_bytes": w.act_bytes, "tp_bytes": w.tp_bytes,
             "grad_bytes": list(w.grad_bytes),
-            "base_step": w.base_step}
+            "base_step": w.base_step, "combined_p2p": w.combined_p2p}
 
 
 def _pid(rank: int, seed: int) -> int:

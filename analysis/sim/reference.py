@@ -229,9 +229,9 @@ def link_stats(cols: CollectiveColumns, start_us: int, end_us: int, *,
     ok = (n_send == 1) & (n_rows == 2) & (n_done == 2)
     src = np.add.reduceat(np.where(send_op, rank, 0), starts)[ok]
     dst = np.add.reduceat(np.where(send_op, 0, rank), starts)[ok]
-    transfer = (
-        np.maximum.reduceat(all_complete[rows], starts)
-        - np.maximum.reduceat(all_enqueue[rows], starts)
+    transfer = np.maximum(
+        np.minimum.reduceat(all_complete[rows], starts)
+        - np.maximum.reduceat(all_enqueue[rows], starts), 0,
     )[ok]
     if transfer.shape[0] == 0:
         return empty

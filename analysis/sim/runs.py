@@ -61,6 +61,7 @@ def consecutive_windows(
     microbatches: int | None = None,
     job: str | None = None,
     attempt: int = 0,
+    combined_p2p: bool | None = None,
 ) -> Iterator[SimulatedJob]:
     """`count` consecutive windows of one job, each `window_steps` healthy steps or `window_s`
     seconds wide, as `SimulatedJob`s whose `window_start_us` .. `now_us` is the window.
@@ -77,7 +78,7 @@ def consecutive_windows(
     probe = setup(ranks=ranks, kind=kind, seed=seed, variant=variant, tp=tp, pp=pp, steps=6,
                   microbatches=microbatches, conditions=conditions, skew_ms=skew_ms,
                   drift_ppm=drift_ppm, workload=workload, gpus_per_node=gpus_per_node,
-                  step_s=step_s)
+                  step_s=step_s, combined_p2p=combined_p2p)
     est = probe.workload.estimated_step_us(probe.eng.topo)
     width = window_steps * est if window_steps is not None else float(window_s or 0) * 1e6
     if width <= 0:
@@ -86,7 +87,7 @@ def consecutive_windows(
     s = setup(ranks=ranks, kind=kind, seed=seed, variant=variant, tp=tp, pp=pp,
               steps=total_steps, microbatches=microbatches, conditions=conditions,
               skew_ms=skew_ms, drift_ppm=drift_ppm, workload=workload,
-              gpus_per_node=gpus_per_node, step_s=step_s,
+              gpus_per_node=gpus_per_node, step_s=step_s, combined_p2p=combined_p2p,
               windows=max(1, round(count * width / NOISE_WINDOW_US)),
               fault_steps=(max(1, total_steps // 10), max(3, total_steps // 2)))
     run = _Run(s.eng, s.workload, s.draft, s.conditions, seed=seed, job=job, attempt=attempt,

@@ -47,6 +47,7 @@ def simulate(
     workload: str | None = None,
     gpus_per_node: int | None = None,
     step_s: float | None = None,
+    combined_p2p: bool | None = None,
 ) -> SimulatedJob:
     """Simulate one detection window of a job of `ranks` ranks with `fault` injected.
 
@@ -54,7 +55,8 @@ def simulate(
     `variant`: force one form of the fault (see the package docstring); drawn when None.
     `conditions`: how hard the job is (`FIELD` or `LAB`); `skew_ms`, `drift_ppm` override its
     clocks. `workload` (one of `WORKLOADS`), `tp`, `pp`, `gpus_per_node`, `step_s` (the healthy
-    step duration) and `microbatches`: the layout and the step, drawn when None. `steps`:
+    step duration), `microbatches` and `combined_p2p` (a pipeline's p2p as Megatron issues it
+    without batching: `Workload.combined_p2p`): the layout and the step, drawn when None. `steps`:
     training steps in the window (>= 3). Deterministic per (seed, ranks, fault) and the
     arguments; the clocks come from a stream of their own, so the same job under another skew
     differs only in its timestamps."""
@@ -64,7 +66,7 @@ def simulate(
     s = setup(ranks=ranks, kind=kind, seed=seed, variant=variant, tp=tp, pp=pp, steps=steps,
               microbatches=microbatches, conditions=conditions, skew_ms=skew_ms,
               drift_ppm=drift_ppm, workload=workload, gpus_per_node=gpus_per_node,
-              step_s=step_s)
+              step_s=step_s, combined_p2p=combined_p2p)
     est = _play(s.eng, s.workload, s.draft, steps)
     return assemble(s.eng, s.workload, s.draft, seed=seed, job=job, attempt=attempt,
                     est_step_us=est, conditions=s.conditions)
@@ -84,7 +86,7 @@ def setup(*, ranks: int, kind: IncidentKind | None, seed: int, variant: str | No
           tp: int | None, pp: int | None, steps: int, microbatches: int | None,
           conditions: Conditions, skew_ms: float | None, drift_ppm: float | None,
           workload: str | None, gpus_per_node: int | None, step_s: float | None,
-          windows: int = 1,
+          combined_p2p: bool | None = None, windows: int = 1,
           fault_steps: tuple[int | None, int] | None = None) -> Scenario:
     """Draws the layout, the workload, the fault and the noise of a scenario of `steps` steps
     (`windows`: how many windows' worth of noise it carries; `fault_steps`: the steps the
@@ -107,6 +109,8 @@ def setup(*, ranks: int, kind: IncidentKind | None, seed: int, variant: str | No
         w = draw_workload(topo, rng, microbatches)
     else:
         w = draw_field_workload(topo, wkind, rng, microbatches=microbatches, step_us=step_us)
+    if combined_p2p is not None:
+        w = replace(w, combined_p2p=combined_p2p and topo.pp > 1)
     layout = GroupLayout(topo)
     plan = Plan()
     est = w.estimated_step_us(topo)

@@ -8,7 +8,9 @@ The kinds (`WORKLOADS`):
   `all_reduce`s (one per bucket) and a world `all_reduce` before the optimizer step.
 - 1f1b, interleaved: the same blocks under Megatron's one-forward-one-backward schedule, plain
   or with `vp` model chunks per rank (activations also wrap from the last stage to the first);
-  sends are posted without waiting, a receive waits for its send.
+  sends are posted without waiting, a receive waits for its send. Half the field's pipelines
+  use Megatron's non-batched p2p (`Workload.combined_p2p`): a send and the stage's next receive
+  are one call, both recorded complete when it ends.
 - moe: 1F1B with an expert parallel `all_to_all_single` before and after the experts of every
   block; every member sends as many bytes as its tokens routed (legitimately uneven sizes), and
   its experts compute as long as the tokens they got.
@@ -78,6 +80,12 @@ class Workload:
     """moe: the bytes a member sends in one all_to_all on average."""
     a2a_spread: float = 0.0
     """moe: sigma of the lognormal spread of the tokens each member routes."""
+    combined_p2p: bool = False
+    """Pipelines: Megatron's non-batched p2p (`batch_p2p_comm=False`): in the 1F1B steady state
+    a stage sends its output and receives the input of its next block, of the other direction,
+    in one call that waits for both (even stages send first, odd ones receive first), so both
+    are recorded complete when the call ends: a send's completion then includes the wait for
+    the neighbour's next block, which the schedule decides."""
 
     def per_step(self) -> dict[Family, int]:
         """How many collectives one step issues in each group of a family (pipeline pairs:
@@ -202,7 +210,10 @@ def draw_field_workload(topo: Topology, kind: str, rng: np.random.Generator, *,
     return Workload(kind=kind, fwd_us=fwd, act_bytes=act,
                     tp_bytes=_tp_bytes(topo, fwd / v / 2, rng), grad_bytes=grad,
                     microbatches=m, base_step=base_step, jitter=jitter, spike_p=_FIELD_SPIKE_P,
-                    step_us=step, a2a_bytes=a2a_bytes, a2a_spread=a2a_spread)
+                    step_us=step, a2a_bytes=a2a_bytes, a2a_spread=a2a_spread,
+                    # half the field's pipelines, by a value already drawn: the draws that
+                    # follow stay as they were
+                    combined_p2p=pp > 1 and base_step % 2 == 1)
 
 
 _FIELD_SPIKE_P = 5e-4
@@ -309,6 +320,11 @@ def _pipelined(eng: Engine, w: Workload) -> None:
     programs = [schedule(s, pp, v, w.microbatches) for s in range(pp)]
     pcs = [0] * pp
     mailbox: dict[tuple[bool, int, int], Message] = {}
+    # combined calls (`Workload.combined_p2p`): the message a stage sent last, waiting to be
+    # paired with the stage's next receive; and where each message's send was recorded
+    unpaired: list[tuple[bool, int, int] | None] = [None] * pp
+    pairs: list[tuple[tuple[bool, int, int], int]] = []
+    sent_at: dict[tuple[bool, int, int], int] = {}
     while True:
         moved = False
         for s in range(pp):
@@ -321,18 +337,29 @@ def _pipelined(eng: Engine, w: Workload) -> None:
                     break
                 if need is not None:
                     src = (s - 1) % pp if fwd else (s + 1) % pp
-                    _deliver(eng, w, mailbox.pop(need), src, s)
+                    send, recv = _deliver(eng, w, mailbox.pop(need), src, s)
+                    sent_at[need] = send
+                    mine = unpaired[s]
+                    if w.combined_p2p and mine is not None and mine[0] != fwd:
+                        # the steady state's send_forward_recv_backward and
+                        # send_backward_recv_forward; warm-up and cool-down calls are single
+                        pairs.append((mine, recv))
+                    unpaired[s] = None
                 _block(eng, w, s, fwd)
                 dst = _sends_to(s, vs, pp, last, forward=fwd)
                 if dst >= 0:
                     mailbox[(fwd, mb, vs)] = eng.post(layout.grid[s].ravel(),
                                                       _p2p_key(topo, s, dst))
+                    unpaired[s] = (fwd, mb, vs)
                 pcs[s] += 1
                 moved = True
         if all(pc == len(p) for pc, p in zip(pcs, programs, strict=True)):
-            return
+            break
         if not moved:
             raise RuntimeError("the pipeline schedule waits for a transfer never posted")
+    for message, recv in pairs:
+        if message in sent_at:
+            eng.complete_together(sent_at[message], recv)
 
 
 def _sends_to(stage: int, vs: int, pp: int, last: int, *, forward: bool) -> int:
@@ -350,11 +377,12 @@ def _p2p_key(topo: Topology, a: int, b: int) -> tuple[int, int]:
     return int(Family.P2P), boundary
 
 
-def _deliver(eng: Engine, w: Workload, msg: Message, src: int, dst: int) -> None:
+def _deliver(eng: Engine, w: Workload, msg: Message, src: int, dst: int) -> tuple[int, int]:
     layout = eng.layout
     boundary = msg[2]
-    eng.deliver(msg, layout.grid[src].ravel(), layout.grid[dst].ravel(),
-                layout.p2p_gid[boundary].ravel(), nbytes=w.act_bytes, base_us=_p2p_us(w))
+    return eng.deliver(msg, layout.grid[src].ravel(), layout.grid[dst].ravel(),
+                       layout.p2p_gid[boundary].ravel(), nbytes=w.act_bytes,
+                       base_us=_p2p_us(w))
 
 
 def _block(eng: Engine, w: Workload, stage: int, forward: bool) -> None:

@@ -128,7 +128,7 @@ def naive_link_stats(case: Case) -> LinkStats:
         sends = [r for r in rows if r.op in summaries.SEND_OPS]
         recvs = [r for r in rows if r.op in summaries.RECV_OPS]
         if len(sends) == 1 and len(recvs) == 1 and sends[0].completed and recvs[0].completed:
-            t = max(r.complete_us for r in rows) - max(r.enqueue_us for r in rows)
+            t = max(0, min(r.complete_us for r in rows) - max(r.enqueue_us for r in rows))
             transfers[(sends[0].rank, recvs[0].rank)].append(t)
     links = sorted(transfers)
     return LinkStats(
@@ -320,7 +320,8 @@ def test_a_worked_example() -> None:
     assert ranks.span_us.tolist() == [20, 19, 0]
     links = reference.link_stats(case.cols, case.start_us, case.end_us)
     assert (links.src.tolist(), links.dst.tolist(), links.n.tolist()) == ([3], [4], [1])
-    assert links.transfer_mean_us.tolist() == links.transfer_max_us.tolist() == [17.0]
+    # from both posted (9) to the first side done (the send, 25)
+    assert links.transfer_mean_us.tolist() == links.transfer_max_us.tolist() == [16.0]
     assert reference.disagreements(case.cols, case.start_us, case.end_us) == (
         Disagreement(group="0", seq=2, ranks=(0, 1, 2), ops=("all_reduce", "broadcast",
                      "all_reduce"), nbytes=(8, 8, 8), dtypes=("float32",) * 3,

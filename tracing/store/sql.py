@@ -205,7 +205,7 @@ SELECT src, dst, count() AS n, avg(transfer_us) AS transfer_mean_us,
 FROM (
     SELECT anyIf(rank, op IN ({send_op:String}, {isend_op:String})) AS src,
            anyIf(rank, op IN ({recv_op:String}, {irecv_op:String})) AS dst,
-           max({cmp}) - max({enq}) AS transfer_us
+           greatest(min({cmp}) - max({enq}), 0) AS transfer_us
     FROM {db}.collectives
     WHERE job = {job:String} AND attempt = {attempt:UInt32}
       AND enqueue_us >= {start_us:UInt64} AND enqueue_us < {end_us:UInt64}
