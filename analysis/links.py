@@ -87,9 +87,10 @@ def _boundaries(obs: Observation, links: LinkStats) -> I64:
         for p in positions[1:]:
             parent[root(int(p))] = first
     stage = np.array([root(i) for i in range(ranks.shape[0])], dtype=np.int64)
-    src = stage[np.searchsorted(ranks, links.src)]
-    dst = stage[np.searchsorted(ranks, links.dst)]
-    return src * ranks.shape[0] + dst
+    src: I64 = stage[np.searchsorted(ranks, links.src)]
+    dst: I64 = stage[np.searchsorted(ranks, links.dst)]
+    labels: I64 = src * ranks.shape[0] + dst
+    return labels
 
 
 def _other_links_ratio(rank: int, skip: tuple[int, int], *, src: I64, dst: I64, ratio: F64,

@@ -115,7 +115,7 @@ def cuda_marker() -> _DeviceDone:
     for the collective's own stream, so the marker completes when the collective has."""
     import torch
 
-    event = torch.cuda.Event()
+    event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
     return _DeviceDone(event)
 
