@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from tracehound.analysis.rhythm import EXPECTED_PAUSE
 from tracehound.analysis.verdict import suspect_nodes
 from tracehound.tracing.events import (
     ActionKind,
@@ -72,6 +73,14 @@ def job_row(job: str, states: Sequence[JobState], incidents: Sequence[Incident],
         since_us=latest.time_us if latest else 0,
         ended=bool(latest and latest.state in TERMINAL),
     )
+
+
+def expected_pauses(states: Sequence[JobState], limit: int = 5) -> list[str]:
+    """The latest `limit` pauses of the job's rhythm (`analysis.rhythm`: a checkpoint, an
+    evaluation, paused at one place as before), noted on its states and not as incidents,
+    newest last, each with its time."""
+    notes = [s for s in states if s.detail.startswith(EXPECTED_PAUSE)]
+    return [f"{when(s.time_us)}  {s.detail}" for s in notes[-limit:]]
 
 
 def jobs_frame(rows: Iterable[JobRow]) -> pd.DataFrame:

@@ -99,6 +99,15 @@ def _jobs_view(store: TraceStore, jobs: Sequence[str]) -> None:
         if row.open_incidents:
             st.warning(f"{row.open_incidents} open incident(s) of job:")
             st.text(row.job)
+    pauses = [(job, found) for job in jobs
+              if (found := data.expected_pauses(store.job_states(JobId(job))))]
+    if pauses:
+        st.subheader("Expected pauses")
+        st.caption("pauses at a place where the job paused before, about as long (its "
+                   "checkpoints, its evaluations): recorded here, not as incidents, and not "
+                   "alerted; one three times as long as before is a stall incident")
+        for job, found in pauses:
+            st.text(f"{job}:\n" + "\n".join(found))
     latest = [(job, incidents[-1]) for job in jobs
               if (incidents := store.incidents(JobId(job)))]
     if latest:

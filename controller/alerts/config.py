@@ -16,7 +16,12 @@ from pathlib import Path
 
 import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
-from tracehound.controller.alerts.model import RECEIVER_KINDS, AlertConfigError, Receiver
+from tracehound.controller.alerts.model import (
+    RECEIVER_KINDS,
+    SEVERITIES,
+    AlertConfigError,
+    Receiver,
+)
 from tracehound.tracing.errors import shown
 
 log = logging.getLogger(__name__)
@@ -27,7 +32,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 # -- configuration ----------------------------------------------------------------------------
 
 _RECEIVER_FIELDS = frozenset(("name", "kind", "url", "routing_key", "secret", "timeout_s",
-                              "jobs", "ca_file"))
+                              "jobs", "ca_file", "min_severity"))
 
 
 def shown_url(url: str) -> str:
@@ -142,8 +147,13 @@ def _receiver(entry: object, at: str) -> Receiver:
             or not all(isinstance(j, str) and j.strip() for j in jobs)):
         raise AlertConfigError(
             f"{at}.jobs: expected a list of job id patterns (`exp-*`), got {shown(jobs)}")
+    severity = entry.get("min_severity", "warning")
+    if severity not in SEVERITIES:
+        raise AlertConfigError(f"{at}.min_severity: expected one of {', '.join(SEVERITIES)}, "
+                               f"got {shown(severity)}")
     return Receiver(name=name, kind=kind, url=url, routing_key=routing_key, secret=secret,
-                    timeout_s=float(timeout), jobs=tuple(jobs), ca_file=ca_file)
+                    timeout_s=float(timeout), jobs=tuple(jobs), ca_file=ca_file,
+                    min_severity=severity)
 
 
 def merge_receivers(*found: tuple[str, Sequence[Receiver]]) -> list[Receiver]:

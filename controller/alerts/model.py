@@ -94,9 +94,18 @@ class Receiver(msgspec.Struct, frozen=True, kw_only=True):
     jobs: tuple[str, ...] = ()
     """The jobs whose alerts it takes: shell-style patterns of job ids (`exp-*`); none: every
     job. A global receivers file ($TRACEHOUND_ALERTS) routes per job this way."""
+    min_severity: Severity = "warning"
+    """The quietest alerts it takes: info-level ones (a stall, recorded and watched) only when
+    this says `info`."""
 
     def takes(self, job: str) -> bool:
         return not self.jobs or any(fnmatch.fnmatchcase(job, p) for p in self.jobs)
+
+    def hears(self, severity: str) -> bool:
+        """Whether alerts of `severity` are loud enough for it (`SEVERITIES` is loudest
+        first)."""
+        order: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
+        return order.get(severity, 0) <= order[self.min_severity]
 
 
 class Delivery(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,13 +179,15 @@ SEVERITY: dict[str, Severity] = {
 """How loud each incident kind is; a kind not listed (a newer one) is an error."""
 
 
-def alert_for(incident: Incident, *, status: Status, at_us: int, link: str = "") -> Alert:
-    """The alert announcing that `incident` fired, or resolved at `at_us`."""
+def alert_for(incident: Incident, *, status: Status, at_us: int, link: str = "",
+              severity: Severity | None = None) -> Alert:
+    """The alert announcing that `incident` fired, or resolved at `at_us`; as loud as its
+    kind (`SEVERITY`) unless `severity` says otherwise."""
     return Alert(
         job=incident.job, incident_id=incident.incident_id, attempt=incident.attempt,
         kind=incident.kind, status=status, summary=incident.summary,
         culprit_ranks=tuple(int(r) for r in incident.culprit_ranks),
         culprit_nodes=tuple(incident.culprit_nodes), confidence=incident.confidence,
-        severity=SEVERITY.get(incident.kind, "error"),
+        severity=severity or SEVERITY.get(incident.kind, "error"),
         at_us=incident.detected_at_us if status == "firing" else at_us, link=link,
     )

@@ -100,7 +100,7 @@ class Outbox:
         queued = 0
         with self._lock:
             for name, receiver in self.receivers.items():
-                if not receiver.takes(alert.job):
+                if not receiver.takes(alert.job) or not receiver.hears(alert.severity):
                     continue
                 pending = self._pending.setdefault(name, {})
                 if key in pending or self._done(name, key):

@@ -178,6 +178,10 @@ _SETTINGS: Final[Mapping[str, _Field]] = {
         "Seconds an unsure verdict (or one naming more nodes than there are spares) on a "
         "running job is only watched before the job restarts evicting nobody.",
         0, unit="seconds"),
+    "stall_alert_after_s": _number(
+        "Seconds a stall (ranks waiting on a rank busy outside collectives) lasts before it is "
+        "alerted as a warning; its incident is info-level until then, which receivers take "
+        "only with min_severity: info (null: never).", 0, unit="seconds", null=True),
     "uncertain": _choice(
         "What to do about a localized verdict not sure enough to evict its culprits' node: "
         "watch (evict nobody) or isolate_group (evict the nodes of the smallest parallel "

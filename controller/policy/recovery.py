@@ -174,6 +174,10 @@ class PolicySettings:
     watch_s: float = 600.0
     """How long an unsure verdict (or one naming more nodes than there are spares) on a running
     job is only watched before the job restarts without evicting anyone (`--busy-grace`)."""
+    stall_alert_after_s: float | None = 300.0
+    """A stall is recorded as an info-level incident, which alert receivers take only when they
+    ask for it; once its peers have waited this long it is alerted as a warning (None:
+    never)."""
     uncertain: Uncertain = Uncertain.WATCH
     """What to do about a localized verdict not sure enough to evict its culprits' node."""
     rules: Mapping[IncidentKind, KindRule] = field(default_factory=_default_rules)

@@ -26,17 +26,26 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
 
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import load_observation
+from tracehound.analysis.rhythm import (
+    EXPECTED_PAUSE,
+    Pause,
+    Rhythm,
+    history_words,
+    place_in,
+    place_of,
+    waited_s,
+)
 from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot, snapshot_to_json
-from tracehound.analysis.verdict import Fact, Verdict
-from tracehound.controller.alerts import Alert, Status, alert_for
+from tracehound.analysis.verdict import Evidence, Fact, Verdict
+from tracehound.controller.alerts import Alert, Severity, Status, alert_for
 from tracehound.controller.journal import JOURNAL_FILE, STORE_RETRY, Journal, Outbox
 from tracehound.controller.orchestrators.port import (
     AttemptPlan,
@@ -80,10 +89,12 @@ from tracehound.tracing.events import (
     JobPhase,
     JobState,
     RankExit,
+    StackSample,
     now_us,
 )
 from tracehound.tracing.ids import JobId, NodeId
 from tracehound.tracing.jobs import TERMINAL
+from tracehound.tracing.kinds import MAX_TEXT
 from tracehound.tracing.logs import JobLogger
 from tracehound.tracing.retry import Backoff
 from tracehound.tracing.store import TraceStore
@@ -130,6 +141,11 @@ class SupervisorSettings:
     a checkpoint's load, compilation, cold caches) run unevenly on healthy ranks. They are first
     judged once a whole `window_s` has passed since then: a shorter window holds too little of
     a rank's work to tell a straggler from noise."""
+    rhythm_factor: float = 3.0
+    """A pause at a place where the job paused before (its rhythm: a checkpoint, an evaluation,
+    `analysis.rhythm`) is expected, recorded on the job and not as an incident, while it lasts
+    at most this many times the longest of its past pauses there; longer, it is a stall
+    incident, with that history in its words."""
     stall_stack_wait_s: float = 10.0
     """How long a stall (observed only) waits to be recorded for a stack of its lead rank
     captured since the peers began to wait, when the first verdicts have none: where the rank
@@ -209,6 +225,18 @@ class Supervisor:
         """Watched episodes already recorded as incidents (recorded once, however long)."""
         self._held: tuple[Verdict, tuple[PlannedAction, ...]] | None = None
         """A stall held back for its rank's stack (`_awaits_stack`), with its plan."""
+        self._rhythm = Rhythm(factor=self.settings.rhythm_factor)
+        self._pause: _PauseWatch | None = None
+        """The stall episode going on, followed until it ends (its length goes to `_rhythm`)."""
+        self._stacks: tuple[StackSample, ...] = ()
+        """The latest stack of each rank, as of the last poll."""
+        self._held_ended: list[tuple[Verdict, tuple[PlannedAction, ...], int]] = []
+        """Held stalls that ended before a stack came in, with when they ended."""
+        self._unplaced: list[tuple[_PauseWatch, int]] = []
+        """Pauses that ended before a stack placed them, with when they ended."""
+        self._severity: dict[str, Severity] = {}
+        """Incidents announced louder than their kind's default (a stall past the policy's
+        `stall_alert_after_s`): their resolution goes out as loud."""
         self._soft_quiet_until = 0
         self.pool = NodePool(
             [NodeId(n) for n in spec.pool]
@@ -343,10 +371,12 @@ class Supervisor:
     # -- the job's state -------------------------------------------------------------------------
     def _state_record(self, phase: JobPhase, attempt: int, *, incident_id: str = "",
                       plan: tuple[PlannedAction, ...] = (), detail: str = "",
-                      nodes: tuple[NodeId, ...] | None = None) -> JobState | None:
-        """The next state, or None when it is the one the job is in already."""
+                      nodes: tuple[NodeId, ...] | None = None,
+                      again: bool = False) -> JobState | None:
+        """The next state, or None when it is the one the job is in already (unless `again`:
+        a new note in the same state, such as the next expected pause)."""
         prev = self._state
-        if (prev is not None and prev.state is phase and prev.attempt == attempt
+        if (not again and prev is not None and prev.state is phase and prev.attempt == attempt
                 and prev.incident_id == incident_id):
             return None
         if prev is not None and phase not in NEXT[prev.state]:
@@ -517,7 +547,8 @@ class Supervisor:
                     settled_at_us = exit_.time_us + int(
                         self.settings.detection.crash.settle_s * 1e6)
             if len(clean) == plan.world_size:
-                self._record_held(None)
+                self._record_held(None, final=True)
+                self._settle_ended(now_us=None)
                 self._measure_restart(plan, None)
                 self._resolve_open()
                 return None
@@ -555,15 +586,21 @@ class Supervisor:
             if self.observer is not None:
                 self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
             verdict = diagnose_observation(obs, self.settings.detection)
+            self._stacks = obs.snapshot.stacks
+            self._pause_ended(verdict, now)
             self._record_held(verdict)
+            self._settle_ended(now)
             self._calm(plan.attempt, verdict, now)
             if verdict is None or not self._soft_gate(verdict, now):
                 continue
             self._last_snapshot = obs.snapshot
             steps = self._plan(verdict, now)
             if not observe_only(steps):
+                self._settle_ended(now_us=None)  # the attempt ends here: nothing left waiting
                 return verdict, steps
             key = _episode(verdict)
+            if verdict.kind is IncidentKind.STALL:
+                self._follow_pause(verdict, now)
             if key not in self._recorded and self._awaits_stack(verdict, now):
                 if self._held is None:
                     self.log.info("stall of rank %d seen; recorded once a stack of it taken "
@@ -572,24 +609,171 @@ class Supervisor:
                 self._held = (verdict, steps)
                 continue
             self._held = None
+            if key not in self._recorded and self._expected_pause(verdict):
+                continue  # the job's rhythm: noted on the job, no incident
             if verdict.kind in SOFT_KINDS or key not in self._recorded:
                 self._recorded.add(key)
-                self._recover(verdict, steps)  # observed only; the attempt goes on
+                self._recover(self._with_history(verdict), steps)  # observed only
+                if verdict.kind is IncidentKind.STALL and self._pause is not None:
+                    self._pause.incident = self._incidents[-1]
+            self._alert_long_stall()
 
-    def _record_held(self, verdict: Verdict | None) -> None:
-        """Record the stall held back for a stack once it is over (the next verdict is another
-        episode, or none, or the attempt ended): with the evidence it had, never lost."""
+    def _follow_pause(self, verdict: Verdict, now_us: int) -> None:
+        """Follow the stall episode of `verdict`: where its lead rank is and how long its peers
+        have waited (`analysis.rhythm`)."""
+        key = _episode(verdict)
+        pause = self._pause
+        if pause is None or pause.key != key:
+            waited = waited_s(verdict)
+            pause = self._pause = _PauseWatch(key=key, rank=verdict.culprit_ranks[0],
+                                              started_us=now_us - int(waited * 1e6))
+        pause.seconds = max(pause.seconds, waited_s(verdict))
+        pause.place = place_of(verdict) or pause.place or self._stack_place(pause)
+
+    def _stack_place(self, pause: _PauseWatch) -> str:
+        """The place of the paused rank from its latest stack, if taken during the pause."""
+        stack = next((s for s in self._stacks if s.rank == pause.rank
+                      and s.time_us >= pause.started_us), None)
+        return place_in(stack.frames) if stack is not None else ""
+
+    def _pause_ended(self, verdict: Verdict | None, now_us: int) -> None:
+        """Once the stall episode followed is over (another episode, none, or the attempt
+        ended): its pause goes to the job's rhythm, once its place is known (a stack taken
+        during it may come a poll or two later: `_settle_ended`)."""
+        pause = self._pause
+        if pause is None or (verdict is not None and _episode(verdict) == pause.key):
+            return
+        self._pause = None
+        pause.place = pause.place or self._stack_place(pause)
+        if pause.place:
+            self._rhythm.add(Pause(rank=pause.rank, place=pause.place, seconds=pause.seconds,
+                                   ended_us=now_us))
+        else:
+            self._unplaced.append((pause, now_us))
+
+    def _settle_ended(self, now_us: int | None) -> None:
+        """Stalls that ended before a stack of their rank came in: decided once one has (the
+        job's rhythm, or a stall incident), or `stall_stack_wait_s` after they ended, or now
+        (`now_us` None: the attempt is over)."""
+        wait_us = int(self.settings.stall_stack_wait_s * 1e6)
+        waiting = []
+        for verdict, steps, ended_us in self._held_ended:
+            if (now_us is not None and self._stack_of_held(verdict) is None
+                    and now_us - ended_us < wait_us):
+                waiting.append((verdict, steps, ended_us))
+            elif not self._held_was_rhythm(verdict, note=True):
+                self._record_ended(verdict, steps)
+        self._held_ended = waiting
+        unplaced = []
+        for pause, ended_us in self._unplaced:
+            pause.place = self._stack_place(pause)
+            if pause.place:
+                self._rhythm.add(Pause(rank=pause.rank, place=pause.place,
+                                       seconds=pause.seconds, ended_us=ended_us))
+            elif now_us is not None and now_us - ended_us < wait_us:
+                unplaced.append((pause, ended_us))
+        self._unplaced = unplaced
+
+    def _expected_pause(self, verdict: Verdict) -> bool:
+        """Whether a stall not yet recorded is the job's rhythm (`analysis.rhythm`); noted on
+        the job as an expected pause, once an episode, when it is."""
+        pause = self._pause
+        if verdict.kind is not IncidentKind.STALL or pause is None:
+            return False
+        if not self._rhythm.expected(pause.rank, pause.place, pause.seconds):
+            return False
+        if not pause.noted:
+            pause.noted = True
+            past = self._rhythm.history(pause.rank, pause.place)
+            detail = (f"{EXPECTED_PAUSE}: rank {pause.rank} at {_short(pause.place)}, "
+                      f"{pause.seconds:.1f} s so far; {history_words(past)}")
+            self.log.info("%s", detail)
+            self._set_state(JobPhase.STALLED, verdict.attempt, detail=detail[:MAX_TEXT],
+                            again=True)
+        return True
+
+    def _with_history(self, verdict: Verdict) -> Verdict:
+        """A stall at a place with history (it lasted longer than its rhythm) says so."""
+        pause = self._pause
+        if verdict.kind is not IncidentKind.STALL or pause is None:
+            return verdict
+        past = self._rhythm.history(pause.rank, pause.place)
+        if not past:
+            return verdict
+        words = (f"{pause.seconds:.1f} s so far, more than {self._rhythm.factor:g} times its "
+                 f"rhythm: {history_words(past)}")
+        fact = Evidence(fact=Fact.BUSY, rank=pause.rank, node=verdict.culprit_nodes[0]
+                        if verdict.culprit_nodes else "", value=pause.seconds,
+                        detail=f"rank {pause.rank} at {_short(pause.place)}: {words}")
+        return replace(verdict, summary=f"{verdict.summary}; {words}",
+                       evidence=(fact, *verdict.evidence))
+
+    def _alert_long_stall(self) -> None:
+        """A stall incident whose peers have waited the policy's `stall_alert_after_s` is
+        alerted as a warning (a stall's alert is info-level, which receivers take only when
+        they ask for it: `Receiver.min_severity`)."""
+        pause, after = self._pause, self.settings.policy.stall_alert_after_s
+        if pause is None or pause.incident is None or pause.alerted or after is None:
+            return
+        if pause.seconds < after:
+            return
+        pause.alerted = True
+        incident = pause.incident
+        self._severity[incident.incident_id] = "warning"
+        self.log.warning("stall of incident %s has lasted %.0f s: alerted", incident.incident_id,
+                         pause.seconds)
+        self._announce(incident, "firing")
+
+    def _record_held(self, verdict: Verdict | None, *, final: bool = False) -> None:
+        """The stall held back for a stack, once it is over (the next verdict is another
+        episode, or none, or the attempt ended): decided when a stack of its rank taken during
+        it is in (`_settle_ended`), or at once when `final`; never lost."""
         held = self._held
         if held is None or (verdict is not None and _episode(verdict) == _episode(held[0])):
             return
         self._held = None
-        key = _episode(held[0])
+        if _episode(held[0]) in self._recorded:
+            return
+        if not final and self._rhythm.knows(held[0].culprit_ranks[0]):
+            # a stack may yet place it where its rank paused before
+            self._held_ended.append((*held, self.clock()))
+        elif not self._held_was_rhythm(held[0], note=True):
+            self._record_ended(*held)
+
+    def _record_ended(self, verdict: Verdict, steps: tuple[PlannedAction, ...]) -> None:
+        key = _episode(verdict)
         if key in self._recorded:
             return
         self._recorded.add(key)
-        self.log.info("the stall of rank %d ended before a stack of it taken since its peers "
-                      "began to wait came in: recorded without one", held[0].culprit_ranks[0])
-        self._recover(*held)
+        where = ("a stack taken during it" if self._stack_of_held(verdict)
+                 else "no stack of it taken since its peers began to wait")
+        self.log.info("the stall of rank %d ended before it was recorded: recorded with the "
+                      "evidence it had (%s)", verdict.culprit_ranks[0], where)
+        self._recover(verdict, steps)
+
+    def _stack_of_held(self, verdict: Verdict) -> StackSample | None:
+        """The latest stack of a stall's rank if taken since its peers began to wait."""
+        rank = verdict.culprit_ranks[0]
+        started = verdict.observed_at_us - int(waited_s(verdict) * 1e6)
+        return next((s for s in self._stacks if s.rank == rank and s.time_us >= started), None)
+
+    def _held_was_rhythm(self, verdict: Verdict, *, note: bool = False) -> bool:
+        """Whether a stall that ended before it was recorded is the job's rhythm: a stack of
+        its rank taken during it places it where the job paused before (`note`: noted on the
+        job as an expected pause when it is)."""
+        stack = self._stack_of_held(verdict)
+        place = place_in(stack.frames) if stack is not None else ""
+        rank, waited = verdict.culprit_ranks[0], waited_s(verdict)
+        if not place or not self._rhythm.expected(rank, place, waited):
+            return False
+        if note:
+            past = self._rhythm.history(rank, place)
+            detail = (f"{EXPECTED_PAUSE}: rank {rank} at {_short(place)}, {waited:.1f} s; "
+                      f"{history_words(past)}")
+            self.log.info("%s", detail)
+            self._set_state(JobPhase.STALLED, verdict.attempt, detail=detail[:MAX_TEXT],
+                            again=True)
+        return True
 
     def _awaits_stack(self, verdict: Verdict, now_us: int) -> bool:
         """Whether to hold a stall verdict back for its lead rank's stack (see
@@ -646,10 +830,11 @@ class Supervisor:
         """Tell `notify` about an incident; a failure there is logged, never raised."""
         if self.notify is None:
             return
-        if status == "firing":
+        if status == "firing" and all(i.incident_id != incident.incident_id for i in self._open):
             self._open.append(incident)
         try:
-            self.notify(alert_for(incident, status=status, at_us=self.clock()))
+            self.notify(alert_for(incident, status=status, at_us=self.clock(),
+                                  severity=self._severity.get(incident.incident_id)))
         except Exception as exc:
             self.log.error("could not queue the %s alert of incident %s: %r", status,
                            incident.incident_id, exc)
@@ -841,6 +1026,31 @@ def _trains_since_us(snapshot: JobSnapshot) -> int | None:
     if not snapshot.expected_ranks or not set(snapshot.expected_ranks) <= set(first):
         return None
     return max(first.values())
+
+
+@dataclass(slots=True)
+class _PauseWatch:
+    """A stall episode as the supervisor follows it (`Supervisor._follow_pause`)."""
+
+    key: tuple[object, ...]
+    rank: int
+    started_us: int
+    """When its peers began to wait (as far as its first verdict says)."""
+    seconds: float = 0.0
+    """How long its peers have waited, at most, so far."""
+    place: str = ""
+    noted: bool = False
+    """Noted on the job as an expected pause."""
+    incident: Incident | None = None
+    """Its stall incident, once recorded."""
+    alerted: bool = False
+    """Alerted past the policy's `stall_alert_after_s`."""
+
+
+def _short(place: str) -> str:
+    """A place's innermost three frames, for a line of text."""
+    frames = place.split(" > ")
+    return " > ".join(frames[-3:]) if place else "an unknown place"
 
 
 def _episode(verdict: Verdict) -> tuple[object, ...]:

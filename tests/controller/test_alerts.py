@@ -394,6 +394,30 @@ def test_global_and_per_job_receivers_take_only_their_jobs(
     assert statuses(other) == [("inc-2", "firing")]
 
 
+def test_info_alerts_go_only_to_receivers_that_ask_for_them(
+        tmp_path: Path, endpoint: Callable[..., Endpoint]) -> None:
+    """A stall is recorded and watched: its alert is info-level, which a receiver takes only
+    with `min_severity: info` (a job's normal pauses would otherwise page someone)."""
+    quiet, chatty = endpoint(), endpoint()
+    outbox = Outbox(tmp_path, [webhook("quiet", quiet.url()),
+                               webhook("chatty", chatty.url(), min_severity="info")])
+    dispatcher = Dispatcher(outbox, backoff=FAST)
+    assert dispatcher.enqueue(make_alert(kind="stall", severity="info")) == 1
+    assert dispatcher.enqueue(make_alert(incident_id="inc-2", severity="warning")) == 2
+    dispatcher.deliver_once(now=0.0)
+    assert statuses(quiet) == [("inc-2", "firing")]
+    assert statuses(chatty) == [("inc-1", "firing"), ("inc-2", "firing")]
+    config = write_config(tmp_path, {"receivers": [
+        {"name": "a", "kind": "slack", "url": "http://a/"},
+        {"name": "b", "kind": "slack", "url": "http://b/", "min_severity": "info"}]})
+    assert [r.min_severity for r in load_receivers(config)] == ["warning", "info"]
+    bad = write_config(tmp_path, {"receivers": [
+        {"name": "x", "kind": "slack", "url": "http://x/", "min_severity": "loud"}]})
+    with pytest.raises(AlertConfigError, match=r"receivers\[0\]\.min_severity: expected one of "
+                                               "critical, error, warning, info, got 'loud'"):
+        load_receivers(bad)
+
+
 def test_receivers_of_the_global_file_and_the_jobs_file_merge_with_unique_names(
         tmp_path: Path) -> None:
     (tmp_path / "g").mkdir()

@@ -202,3 +202,80 @@ def test_a_stall_waits_for_a_stack_of_its_rank_taken_since_the_peers_began_to_wa
         assert "(at " not in incident.summary and "__init__" not in incident.verdict_json
         # the poll after the last one that saw it (the heartbeats of 12 s are read at 12.5 s)
         assert incident.detected_at_us == min(first_seen + 10 * S, ends_at + S // 2)
+
+
+@pytest.mark.parametrize(("length_s", "stack_after_s"), [(6, 1.0), (3, 3.5)])
+def test_a_pause_that_recurs_at_one_place_is_the_jobs_rhythm_and_a_far_longer_one_a_stall(
+    store: TraceStore, tmp_path: Path, length_s: int, stack_after_s: float,
+) -> None:
+    """Rank 3 writes a checkpoint every 12 s: ranks 0-2 wait `length_s` for it each time, at
+    the same line of its code (its stack, taken `stack_after_s` into each pause, goes on into
+    torch; a short pause is over before its stack comes in). The first is a stall incident;
+    the next ones are the job's rhythm, noted on the job as expected pauses and not alerted;
+    the last, 30 s long, is a stall incident again with that history in its words, and is
+    alerted as a warning once it has lasted the policy's `stall_alert_after_s` (20 s). The
+    first stall's alert is info-level."""
+    clock = Clock()
+    orch = ScriptedOrchestrator()
+    start = clock.now
+    pauses = [(2, length_s), (14, length_s), (26, length_s), (38, length_s), (50, 30)]
+    alerts: list[Alert] = []
+
+    def world(view: PollView) -> None:
+        nodes = orch.plans[-1].rank_nodes()
+        now = clock.now
+        t = (now - start) / S
+        beats: list[object] = []
+        inside = next(((i, p) for i, (p, n) in enumerate(pauses) if p <= t < p + n), None)
+        if inside is not None:
+            i, p = inside
+            at = start + p * S
+            n = 1000 + 100 * i
+            beats += [beat(0, r, now, n, n - 1, at, nodes[r]) for r in range(3)]
+            beats.append(beat(0, 3, now, n - 1, n - 1, at - S // 10, nodes[3]))
+        else:
+            n = 2000 + int(t * 2)  # training on between the pauses
+            beats += [beat(0, r, now, n, n, now, nodes[r]) for r in range(4)]
+        if any(now == start + int((p + stack_after_s) * S) for p, _ in pauses):
+            beats.append(StackSample(
+                job=JOB, attempt=0, node=NodeId(nodes[3]), rank=Rank(3), time_us=now,
+                frames=("train.py:9 main", "train.py:30 save_checkpoint",
+                        "torch/serialization.py:944 save", "torch/serialization.py:12 w")))
+        if t >= 85:
+            orch.exits = [RankExit(job=JOB, attempt=0, node=NodeId(nodes[r]), rank=Rank(r),
+                                   pid=1000 + r, exit_code=0, time_us=now) for r in range(4)]
+        store.insert(Batch(batch_id=f"b{now}", records=tuple(beats)))  # type: ignore[arg-type]
+
+    sup = Supervisor(
+        spec=JobSpec(job=JOB, command=("python", "train.py"), nnodes=2, nproc_per_node=2),
+        store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
+        settings=SupervisorSettings(
+            poll_s=0.5, detection=DetectionSettings(hang=HangSettings(after_s=2.0)),
+            policy=PolicySettings(stall_alert_after_s=20.0)),
+        evidence_dir=tmp_path, notify=alerts.append,
+    )
+    result = sup.run()
+
+    assert result.completed is True and result.attempts == 1
+    incidents = store.incidents(JOB)
+    assert [(i.kind, i.culprit_ranks) for i in incidents] == [("stall", (3,)), ("stall", (3,))]
+    first, long = incidents
+    assert "rhythm" not in first.summary
+    assert "more than 3 times its rhythm: paused at this place 4 times before" in long.summary
+    # recorded once its peers had waited 3 times the longest wait seen in the others
+    assert (start + (50 + 3 * (length_s - 1)) * S < long.detected_at_us
+            < start + (50 + 3 * length_s + 2) * S)
+    # pauses 2-4, and the long one until it lasted three times as long as they did
+    expected = [s for s in store.job_states(JOB) if s.detail.startswith("expected pause")]
+    assert len(expected) == 4
+    assert all("rank 3 at train.py:9 main > train.py:30 save_checkpoint" in s.detail
+               for s in expected)
+    assert "paused at this place 4 times before" in expected[-1].detail
+    assert expected[-1].time_us < long.detected_at_us
+    # info when recorded (receivers take those only with min_severity: info), a warning once
+    # the long one lasted 20 s, each resolved as loud as it went out when the job finished
+    assert [(a.incident_id, a.status, a.severity) for a in alerts] == [
+        (first.incident_id, "firing", "info"), (long.incident_id, "firing", "info"),
+        (long.incident_id, "firing", "warning"),
+        (first.incident_id, "resolved", "info"), (long.incident_id, "resolved", "warning"),
+    ]

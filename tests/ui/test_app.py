@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from ui_harness import (
+    EXPECTED,
     HOSTILE,
     UNLOCALIZED,
     FilledStore,
@@ -53,6 +54,10 @@ def test_jobs_view_lists_every_job_with_its_state_and_incidents(
     assert by_job.loc["sim-hang", "incidents"] == 1
     assert by_job.loc[HOSTILE, "state"] == "failed"
     assert by_job.loc[HOSTILE, "training time"] == "50.0 %"
+    # the live job's earlier checkpoint, a pause of its rhythm: shown, not an incident
+    shown = "\n".join(texts(at))
+    assert "live:\n" in shown and EXPECTED in shown
+    assert by_job.loc["live", "incidents"] == 1
 
 
 @pytest.mark.parametrize("job", ["sim-hang", "sim-straggler"])

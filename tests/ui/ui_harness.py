@@ -111,13 +111,20 @@ def _hostile(store: TraceStore) -> None:
                                target=HOSTILE, time_us=t + 2_500_000, ok=True, detail=HOSTILE))
 
 
+EXPECTED = ("expected pause: rank 5 at train.py:88 checkpoint, 3.1 s so far; paused at this "
+            "place 2 times before, its peers waiting 3.0-3.2 s")
+"""The live job's earlier checkpoint, a pause of its rhythm."""
+
+
 def _live_stall(store: TraceStore) -> None:
     """A running job whose rank 5 has been writing a checkpoint for a while: a stall."""
     t = now_us() - 5_000_000
     job = JobId("live")
     store.record_state(JobState(job=job, time_us=t, seq=1, state=JobPhase.RUNNING, attempt=0,
                                 nodes=("node-a", "node-b")))
-    store.record_state(JobState(job=job, time_us=t + 3_000_000, seq=2, state=JobPhase.STALLED,
+    store.record_state(JobState(job=job, time_us=t + 1_000_000, seq=2, state=JobPhase.STALLED,
+                                attempt=0, nodes=("node-a", "node-b"), detail=EXPECTED))
+    store.record_state(JobState(job=job, time_us=t + 3_000_000, seq=3, state=JobPhase.STALLED,
                                 attempt=0, incident_id="live/0/1", nodes=("node-a", "node-b")))
     verdict = {"basis": "busy_timeout", "evidence": [
         {"fact": "busy", "rank": 5, "node": "node-b", "group": "", "seq": 0, "value": 42.0,
