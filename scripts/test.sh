@@ -85,7 +85,7 @@ fi
 #           `tracehound run` and the demo, whose runs the dashboard's tests share), one at a
 #           time, at a lower priority
 # Every e2e test is in exactly one lane (lane 2 ignores the paths lane 1 takes).
-LANE1_E2E=(tests/agent tests/reliability)
+LANE1_E2E=(tests/agent tests/reliability tests/controller/test_run_rhythm.py)
 echo "== pytest, two lanes at once: the tests not marked e2e in parallel (pytest-xdist), then the"
 echo "   e2e tests of ${LANE1_E2E[*]} one at a time; beside them, the other e2e tests (real"
 echo "   training jobs and servers) one at a time, at a lower priority"

@@ -650,6 +650,11 @@ class Supervisor:
                                    ended_us=now_us))
         else:
             self._unplaced.append((pause, now_us))
+        if pause.noted and pause.incident is None and self._state is not None and (
+                self._state.state is JobPhase.STALLED):
+            # the job trains again: not a window later, as after a stall of its own
+            self._set_state(JobPhase.RUNNING, self._state.attempt,
+                            detail=f"the {EXPECTED_PAUSE} of rank {pause.rank} is over")
 
     def _settle_ended(self, now_us: int | None) -> None:
         """Stalls that ended before a stack of their rank came in: decided once one has (the
@@ -773,6 +778,9 @@ class Supervisor:
             self.log.info("%s", detail)
             self._set_state(JobPhase.STALLED, verdict.attempt, detail=detail[:MAX_TEXT],
                             again=True)
+            # over already (it ended before its stack came in): the job trains again
+            self._set_state(JobPhase.RUNNING, verdict.attempt,
+                            detail=f"the {EXPECTED_PAUSE} of rank {rank} is over")
         return True
 
     def _awaits_stack(self, verdict: Verdict, now_us: int) -> bool:

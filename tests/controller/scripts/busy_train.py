@@ -14,6 +14,9 @@
 
     --stall NAME@RANK:STEP  (repeatable) one of the four stalls above, on that rank at that
                             step, several in one run
+    --checkpoint-every N    rank 0 saves a checkpoint every N steps, taking --checkpoint-s
+                            seconds (slow storage: a torch.save, then waiting on the disk), the
+                            --long-checkpoint-th of them ten times as long: a job's rhythm
 
 Each run ends with "done" on every rank. The stalls last 12 s: with the hang threshold at 5 s a
 stall is one for its last 7 s only, and on two shared cores the heartbeats that show it reach
@@ -44,6 +47,13 @@ def busy_for(seconds: float, work: object) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         work()  # type: ignore[operator]
+
+
+def save_checkpoint(path: Path, state: dict[str, object], seconds: float) -> None:
+    """A checkpoint on slow storage: written, then `seconds` in all waiting on the disk."""
+    end = time.monotonic() + seconds
+    torch.save(state, path)
+    time.sleep(max(0.0, end - time.monotonic()))
 
 
 def train(args: argparse.Namespace, rank: int) -> None:
@@ -90,6 +100,11 @@ def train(args: argparse.Namespace, rank: int) -> None:
                     os.fsync(f.fileno())
 
             busy_for(12.0, write)
+        every = args.checkpoint_every
+        if rank == 0 and every and (step + 1) % every == 0:
+            n = (step + 1) // every
+            save_checkpoint(ckpt, {"model": model.state_dict(), "step": step},
+                            args.checkpoint_s * (10 if n == args.long_checkpoint else 1))
         if ("eval", step) in mine:
             with torch.no_grad():
                 batch = torch.randn(512, 64)
@@ -137,6 +152,9 @@ def main() -> int:
     parser.add_argument("--at-step", type=int, default=30)
     parser.add_argument("--rank", type=int, default=1)
     parser.add_argument("--workdir", default=".")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N")
+    parser.add_argument("--checkpoint-s", type=float, default=3.0)
+    parser.add_argument("--long-checkpoint", type=int, default=0, metavar="K")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
     rank = dist.get_rank()
