@@ -55,8 +55,9 @@ def simulate(
     `variant`: force one form of the fault (see the package docstring); drawn when None.
     `conditions`: how hard the job is (`FIELD` or `LAB`); `skew_ms`, `drift_ppm` override its
     clocks. `workload` (one of `WORKLOADS`), `tp`, `pp`, `gpus_per_node`, `step_s` (the healthy
-    step duration), `microbatches` and `combined_p2p` (a pipeline's p2p as Megatron issues it
-    without batching: `Workload.combined_p2p`): the layout and the step, drawn when None. `steps`:
+    step duration) and `microbatches`: the layout and the step, drawn when None;
+    `combined_p2p`: a pipeline's p2p as Megatron issues it without batching
+    (`Workload.combined_p2p`; off unless asked for). `steps`:
     training steps in the window (>= 3). Deterministic per (seed, ranks, fault) and the
     arguments; the clocks come from a stream of their own, so the same job under another skew
     differs only in its timestamps."""

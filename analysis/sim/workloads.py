@@ -8,9 +8,9 @@ The kinds (`WORKLOADS`):
   `all_reduce`s (one per bucket) and a world `all_reduce` before the optimizer step.
 - 1f1b, interleaved: the same blocks under Megatron's one-forward-one-backward schedule, plain
   or with `vp` model chunks per rank (activations also wrap from the last stage to the first);
-  sends are posted without waiting, a receive waits for its send. Half the field's pipelines
-  use Megatron's non-batched p2p (`Workload.combined_p2p`): a send and the stage's next receive
-  are one call, both recorded complete when it ends.
+  sends are posted without waiting, a receive waits for its send. Asked for
+  (`simulate(combined_p2p=True)`), Megatron's non-batched p2p (`Workload.combined_p2p`): a send
+  and the stage's next receive are one call, both recorded complete when it ends.
 - moe: 1F1B with an expert parallel `all_to_all_single` before and after the experts of every
   block; every member sends as many bytes as its tokens routed (legitimately uneven sizes), and
   its experts compute as long as the tokens they got.
@@ -210,10 +210,7 @@ def draw_field_workload(topo: Topology, kind: str, rng: np.random.Generator, *,
     return Workload(kind=kind, fwd_us=fwd, act_bytes=act,
                     tp_bytes=_tp_bytes(topo, fwd / v / 2, rng), grad_bytes=grad,
                     microbatches=m, base_step=base_step, jitter=jitter, spike_p=_FIELD_SPIKE_P,
-                    step_us=step, a2a_bytes=a2a_bytes, a2a_spread=a2a_spread,
-                    # half the field's pipelines, by a value already drawn: the draws that
-                    # follow stay as they were
-                    combined_p2p=pp > 1 and base_step % 2 == 1)
+                    step_us=step, a2a_bytes=a2a_bytes, a2a_spread=a2a_spread)
 
 
 _FIELD_SPIKE_P = 5e-4

@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from fr_builders import nccl_dump as fr_dump
+from fr_builders import nccl_entry
 from observation_builders import T0, S, beat, health, observe, progress, snapshot
 
 from tracehound.analysis.diagnose import diagnose_observation
@@ -108,27 +110,15 @@ T_NS = DUMPED_AT_US * 1000 - 20_000_000_000  # 20 s before the dump
 
 
 def entry(seq: int, state: str) -> dict[str, Any]:
-    created = T_NS + seq * 1_000_000
-    return {
-        "record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
-        "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
-        "profiling_name": "nccl:all_to_all", "time_created_ns": created,
-        "input_sizes": [[1024]], "input_dtypes": ["BFloat16"], "output_sizes": [[1024]],
-        "output_dtypes": ["BFloat16"], "state": state, "time_discovered_started_ns": created,
-        "time_discovered_completed_ns": created + 500 if state == "completed" else None,
-        "is_p2p": False,
-    }
+    return nccl_entry(seq, "all_to_all", created_ns=T_NS + seq * 1_000_000, ins=[[1024]],
+                      in_dtype="BFloat16", state=state)
 
 
 def nccl_dump(rank: int, completed: int, enqueued: int) -> fr.FrDump:
     entries = [entry(s, "completed" if s <= completed else "started")
                for s in range(1, enqueued + 1)]
-    raw = {"version": "2.9", "rank": rank, "entries": entries,
-           "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}},
-           "pg_status": {"0": {"last_enqueued_collective": enqueued,
-                               "last_started_collective": enqueued,
-                               "last_completed_collective": completed}}}
-    return fr.parse_dump(raw, source=f"rank{rank}", dumped_at_us=DUMPED_AT_US)
+    return fr_dump(rank, entries, world=4, enqueued=enqueued, completed=completed,
+                   dumped_at_us=DUMPED_AT_US)
 
 
 def test_from_dumps_the_rank_whose_gpu_never_completed_is_a_hang_not_a_mismatch() -> None:

@@ -18,8 +18,8 @@ from tracehound.tracing.events import IncidentKind
 
 
 @pytest.mark.parametrize(("workload", "ranks", "seed"), [
-    # before transfers were timed to the first side's completion and compared per boundary,
-    # this job got a slow link in 20 of its 20 windows
+    # before links were compared per pipeline boundary, this job got a slow link in 20 of its
+    # 20 windows
     ("interleaved", 256, 7_001),
     ("1f1b", 128, 4_096),
 ])

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fr_builders import nccl_dump, nccl_entry
 from observation_builders import observe
 
 from tracehound.analysis.diagnose import diagnose_observation
@@ -78,27 +79,14 @@ def test_a_long_call_keeps_a_checksum_of_what_it_does_not_spell_out() -> None:
 def entry(seq: int, op: str, *, ins: list[list[int]], outs: list[list[int]],
           in_dtype: str = "Float", out_dtype: str = "Float", state: str = "completed",
           record: int | None = None) -> dict[str, Any]:
-    created = T_NS + seq * 1_000_000
-    return {
-        "record_id": seq - 1 if record is None else record, "pg_id": 0,
-        "process_group": ("0", "default_pg"), "collective_seq_id": seq, "p2p_seq_id": 0,
-        "op_id": seq, "profiling_name": f"nccl:{op}", "time_created_ns": created,
-        "input_sizes": ins, "input_dtypes": [in_dtype] * len(ins), "output_sizes": outs,
-        "output_dtypes": [out_dtype] * len(outs), "state": state,
-        "time_discovered_started_ns": created,
-        "time_discovered_completed_ns": created + 500 if state == "completed" else None,
-        "is_p2p": False,
-    }
+    return nccl_entry(seq, op, created_ns=T_NS + seq * 1_000_000, ins=ins, outs=outs,
+                      in_dtype=in_dtype, out_dtype=out_dtype, state=state, record=record)
 
 
 def dump(rank: int, entries: list[dict[str, Any]], *, enqueued: int, completed: int
          ) -> fr.FrDump:
-    raw = {"version": "2.9", "rank": rank, "entries": entries,
-           "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}},
-           "pg_status": {"0": {"last_enqueued_collective": enqueued,
-                               "last_started_collective": enqueued,
-                               "last_completed_collective": completed}}}
-    return fr.parse_dump(raw, source=f"rank{rank}", dumped_at_us=DUMPED_AT_US)
+    return nccl_dump(rank, entries, world=3, enqueued=enqueued, completed=completed,
+                     dumped_at_us=DUMPED_AT_US)
 
 
 def warmup(n: int = 4) -> list[dict[str, Any]]:

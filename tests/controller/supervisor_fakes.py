@@ -91,3 +91,9 @@ def heartbeat(job: JobId, attempt: int, rank: int, at: int, enq: int, comp: int,
                               pending_op="all_reduce" if enq > comp else "",
                               last_enqueue_us=enq_us, last_complete_us=enq_us),),
     )
+
+
+def clean_exits(job: JobId, attempt: int, nodes: dict[int, str], at: int) -> list[RankExit]:
+    """Every rank of `nodes` (rank -> node) exiting 0 at `at`: the attempt finished."""
+    return [RankExit(job=job, attempt=attempt, node=NodeId(node), rank=Rank(r), pid=1000 + r,
+                     exit_code=0, time_us=at) for r, node in sorted(nodes.items())]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from supervisor_fakes import Clock, S, heartbeat
+from supervisor_fakes import Clock, S, clean_exits, heartbeat
 
 from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.controller.cli.status import format_status, job_status
@@ -39,7 +39,7 @@ from tracehound.tracing.events import (
     JobState,
     RankExit,
 )
-from tracehound.tracing.ids import JobId, NodeId, Rank
+from tracehound.tracing.ids import JobId, NodeId
 from tracehound.tracing.store import TraceStore
 
 JOB = JobId("kill")
@@ -148,11 +148,7 @@ class Ranks:
         else:
             beats = [beat(view.attempt, r, now, 5, 5, now, nodes[r]) for r in range(4)]
             if self.polls[view.attempt] >= 2:
-                orch.exits = [
-                    RankExit(job=JOB, attempt=view.attempt, node=NodeId(nodes[r]), rank=Rank(r),
-                             pid=1000 + r, exit_code=0, time_us=now)
-                    for r in range(4)
-                ]
+                orch.exits = clean_exits(JOB, view.attempt, nodes, now)
         self.store.insert(Batch(batch_id=f"b{self.n}", records=tuple(beats)))
 
 

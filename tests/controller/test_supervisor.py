@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from supervisor_fakes import Clock, S, ScriptedOrchestrator, heartbeat
+from supervisor_fakes import Clock, S, ScriptedOrchestrator, clean_exits, heartbeat
 
 from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.analysis.snapshot import snapshot_from_json
@@ -58,11 +58,7 @@ def test_hang_is_recorded_isolated_and_restarted_on_the_spare(
             beats.append(beat(0, 3, stall_at, 40, 40, stall_at - S // 10, nodes[3]))
         else:
             beats = [beat(1, r, now, 5, 5, now, nodes[r]) for r in range(4)]
-            orch.exits = [
-                RankExit(job=JOB, attempt=1, node=NodeId(nodes[r]), rank=Rank(r), pid=1000 + r,
-                         exit_code=0, time_us=now)
-                for r in range(4)
-            ]
+            orch.exits = clean_exits(JOB, 1, nodes, now)
         store.insert(Batch(batch_id=f"b{len(polls)}", records=tuple(beats)))
 
     sup = Supervisor(
@@ -175,8 +171,7 @@ def test_a_stall_waits_for_a_stack_of_its_rank_taken_since_the_peers_began_to_wa
         if stack_at_s is not None and now == new.time_us:
             beats.append(new)
         if now >= start + 30 * S:
-            orch.exits = [RankExit(job=JOB, attempt=0, node=NodeId(nodes[r]), rank=Rank(r),
-                                   pid=1000 + r, exit_code=0, time_us=now) for r in range(4)]
+            orch.exits = clean_exits(JOB, 0, nodes, now)
         store.insert(Batch(batch_id=f"b{now}", records=tuple(beats)))  # type: ignore[arg-type]
 
     sup = Supervisor(
@@ -242,8 +237,7 @@ def test_a_pause_that_recurs_at_one_place_is_the_jobs_rhythm_and_a_far_longer_on
                 frames=("train.py:9 main", "train.py:30 save_checkpoint",
                         "torch/serialization.py:944 save", "torch/serialization.py:12 w")))
         if t >= 85:
-            orch.exits = [RankExit(job=JOB, attempt=0, node=NodeId(nodes[r]), rank=Rank(r),
-                                   pid=1000 + r, exit_code=0, time_us=now) for r in range(4)]
+            orch.exits = clean_exits(JOB, 0, nodes, now)
         store.insert(Batch(batch_id=f"b{now}", records=tuple(beats)))  # type: ignore[arg-type]
 
     sup = Supervisor(
