@@ -630,11 +630,23 @@ class Supervisor:
         pause.seconds = max(pause.seconds, waited_s(verdict))
         pause.place = place_of(verdict) or pause.place or self._stack_place(pause)
 
+    def _stack_since(self, rank: int, since_us: int) -> StackSample | None:
+        """The latest stack of `rank` as of the last poll, if taken since `since_us`."""
+        return next((s for s in self._stacks if s.rank == rank and s.time_us >= since_us), None)
+
     def _stack_place(self, pause: _PauseWatch) -> str:
         """The place of the paused rank from its latest stack, if taken during the pause."""
-        stack = next((s for s in self._stacks if s.rank == pause.rank
-                      and s.time_us >= pause.started_us), None)
+        stack = self._stack_since(pause.rank, pause.started_us)
         return place_in(stack.frames) if stack is not None else ""
+
+    def _note_expected(self, rank: int, place: str, seconds: float, attempt: int, *,
+                       so_far: bool) -> None:
+        """Note a pause of the job's rhythm on its states (`stalled`, `expected pause: ...`)."""
+        past = self._rhythm.history(rank, place)
+        detail = (f"{EXPECTED_PAUSE}: rank {rank} at {_short(place)}, {seconds:.1f} s"
+                  f"{' so far' if so_far else ''}; {history_words(past)}")
+        self.log.info("%s", detail)
+        self._set_state(JobPhase.STALLED, attempt, detail=detail[:MAX_TEXT], again=True)
 
     def _pause_ended(self, verdict: Verdict | None, now_us: int) -> None:
         """Once the stall episode followed is over (another episode, none, or the attempt
@@ -666,7 +678,7 @@ class Supervisor:
             if (now_us is not None and self._stack_of_held(verdict) is None
                     and now_us - ended_us < wait_us):
                 waiting.append((verdict, steps, ended_us))
-            elif not self._held_was_rhythm(verdict, note=True):
+            elif not self._held_was_rhythm(verdict):
                 self._record_ended(verdict, steps)
         self._held_ended = waiting
         unplaced = []
@@ -689,12 +701,8 @@ class Supervisor:
             return False
         if not pause.noted:
             pause.noted = True
-            past = self._rhythm.history(pause.rank, pause.place)
-            detail = (f"{EXPECTED_PAUSE}: rank {pause.rank} at {_short(pause.place)}, "
-                      f"{pause.seconds:.1f} s so far; {history_words(past)}")
-            self.log.info("%s", detail)
-            self._set_state(JobPhase.STALLED, verdict.attempt, detail=detail[:MAX_TEXT],
-                            again=True)
+            self._note_expected(pause.rank, pause.place, pause.seconds, verdict.attempt,
+                                so_far=True)
         return True
 
     def _with_history(self, verdict: Verdict) -> Verdict:
@@ -742,7 +750,7 @@ class Supervisor:
         if not final and self._rhythm.knows(held[0].culprit_ranks[0]):
             # a stack may yet place it where its rank paused before
             self._held_ended.append((*held, self.clock()))
-        elif not self._held_was_rhythm(held[0], note=True):
+        elif not self._held_was_rhythm(held[0]):
             self._record_ended(*held)
 
     def _record_ended(self, verdict: Verdict, steps: tuple[PlannedAction, ...]) -> None:
@@ -758,29 +766,22 @@ class Supervisor:
 
     def _stack_of_held(self, verdict: Verdict) -> StackSample | None:
         """The latest stack of a stall's rank if taken since its peers began to wait."""
-        rank = verdict.culprit_ranks[0]
         started = verdict.observed_at_us - int(waited_s(verdict) * 1e6)
-        return next((s for s in self._stacks if s.rank == rank and s.time_us >= started), None)
+        return self._stack_since(verdict.culprit_ranks[0], started)
 
-    def _held_was_rhythm(self, verdict: Verdict, *, note: bool = False) -> bool:
+    def _held_was_rhythm(self, verdict: Verdict) -> bool:
         """Whether a stall that ended before it was recorded is the job's rhythm: a stack of
-        its rank taken during it places it where the job paused before (`note`: noted on the
-        job as an expected pause when it is)."""
+        its rank taken during it places it where the job paused before. If so it is noted on
+        the job as an expected pause, and the job trains again."""
         stack = self._stack_of_held(verdict)
         place = place_in(stack.frames) if stack is not None else ""
         rank, waited = verdict.culprit_ranks[0], waited_s(verdict)
         if not place or not self._rhythm.expected(rank, place, waited):
             return False
-        if note:
-            past = self._rhythm.history(rank, place)
-            detail = (f"{EXPECTED_PAUSE}: rank {rank} at {_short(place)}, {waited:.1f} s; "
-                      f"{history_words(past)}")
-            self.log.info("%s", detail)
-            self._set_state(JobPhase.STALLED, verdict.attempt, detail=detail[:MAX_TEXT],
-                            again=True)
-            # over already (it ended before its stack came in): the job trains again
-            self._set_state(JobPhase.RUNNING, verdict.attempt,
-                            detail=f"the {EXPECTED_PAUSE} of rank {rank} is over")
+        self._note_expected(rank, place, waited, verdict.attempt, so_far=False)
+        # over already (it ended before its stack came in): the job trains again
+        self._set_state(JobPhase.RUNNING, verdict.attempt,
+                        detail=f"the {EXPECTED_PAUSE} of rank {rank} is over")
         return True
 
     def _awaits_stack(self, verdict: Verdict, now_us: int) -> bool:
