@@ -193,8 +193,13 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
             # percent slower is last at many buckets but by a few percent of a step each), or
             # its extra compute costs twice the usual share of a step (ZeRO: gathers every
             # layer, so the lag at each is short however slow the rank).
+            # Where its collectives overlap its compute (many per gap: DDP's gradient buckets)
+            # its busy time is no measure of that cost: its peers' compute hides inside their
+            # pending buckets while its own shows, so a GPU 5% slower computes 1.4x as long
+            # by the trace (and costs the job 5% of a step); there only the lag counts.
             lag = own.blame_us / np.maximum(last, 1.0) / step_us
-            candidate &= (lag >= settings.straggler.min_lag) | heavy
+            overlapped = n / np.maximum(own.peer_gaps, 1.0) >= _MANY_COLLECTIVES_PER_GAP
+            candidate &= (lag >= settings.straggler.min_lag) | (heavy & ~overlapped)
             # ...and, every rank meeting every collective, it is last at a large share of
             # them: a slower GPU at most of each step's; a GPU a few percent slower, or one
             # that met more pauses than its peers, mostly at less than a quarter (half that

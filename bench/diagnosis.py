@@ -240,15 +240,16 @@ def recall_by_size(outcomes: list[Outcome]) -> dict[str, list[dict[str, Any]]]:
 
 
 def supervisor_windows(ranks: int, seed: int, count: int, skew_ms: float,
-                       fault: str | None = None) -> Iterator[SimulatedJob]:
-    """`count` consecutive windows of one job as the supervisor judges them: 10 s, or 6 steps
-    where that is longer (it widens its window to hold enough collectives)."""
+                       fault: str | None = None, **shape: Any) -> Iterator[SimulatedJob]:
+    """`count` consecutive windows of one job as the supervisor and `tracehound diagnose`
+    judge them: 10 s, or 6 steps where that is longer (the supervisor widens its window to hold
+    enough collectives). `shape`: the layout's arguments of `consecutive_windows`."""
     probe = next(consecutive_windows(ranks=ranks, seed=seed, count=1, window_steps=6,
-                                     skew_ms=skew_ms, fault=fault))
+                                     skew_ms=skew_ms, fault=fault, **shape))
     six_steps_s = (probe.now_us - probe.window_start_us) / 1e6
     width: dict[str, Any] = {"window_steps": 6} if six_steps_s >= 10.0 else {"window_s": 10.0}
     return consecutive_windows(ranks=ranks, seed=seed, count=count, skew_ms=skew_ms,
-                               fault=fault, **width)
+                               fault=fault, **width, **shape)
 
 
 OVER_TIME_WINDOWS = 6
@@ -359,6 +360,7 @@ LAYOUTS: tuple[tuple[str, str, int, int, bool], ...] = (
     ("megatron pp4, parity order", "1f1b", 4, 4, True),
     ("interleaved pp4, parity order", "interleaved", 4, 4, True),
     ("interleaved pp8, parity order", "interleaved", 2, 8, True),
+    ("megatron pp8, parity order", "1f1b", 4, 8, True),
 )
 """(name, workload, tp, pp, combined_p2p) of the layouts judged one by one; "parity order":
 Megatron's non-batched p2p (`Workload.combined_p2p`)."""
@@ -367,9 +369,10 @@ Megatron's non-batched p2p (`Workload.combined_p2p`)."""
 def by_layout(jobs: int, windows: int, stragglers: int, skew_ms: float,
               ranks: int = 256) -> dict[str, dict[str, Any]]:
     """Per layout (`LAYOUTS`), at `ranks` ranks: `jobs` healthy jobs judged over `windows`
-    consecutive windows each, the windows with a verdict (stalls apart: observed only) and of
-    which kind; and `stragglers` straggler scenarios, recall below and from 1.3x (the right kind
-    and first culprit), and what the missed ones got instead."""
+    consecutive windows each (as wide as the supervisor's: `supervisor_windows`), the windows
+    with a verdict (stalls apart: observed only) and of which kind; and `stragglers` straggler
+    scenarios, recall below and from 1.3x (the right kind and first culprit), and what the
+    missed ones got instead."""
     out: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     for li, (name, kind, tp, pp, combined) in enumerate(LAYOUTS):
@@ -378,9 +381,8 @@ def by_layout(jobs: int, windows: int, stragglers: int, skew_ms: float,
         kinds: Counter[str] = Counter()
         judged = 0
         for j in range(jobs):
-            for w in consecutive_windows(ranks=ranks, seed=90_000 + 100 * li + j, count=windows,
-                                         window_steps=6, skew_ms=skew_ms,
-                                         combined_p2p=combined, **shape):
+            for w in supervisor_windows(ranks, 90_000 + 100 * li + j, windows, skew_ms,
+                                        combined_p2p=combined, **shape):
                 verdict = diagnose_observation(w.observation())
                 judged += 1
                 if verdict is not None and verdict.kind.value != "stall":
