@@ -108,6 +108,15 @@ def _describe(op: str, nbytes: int, dtype: str, shape: str = "") -> str:
     return f"{brief} shaped {shape if len(shape) <= 160 else shape[:157] + '...'}"
 
 
+def _against(op: str, nbytes: int, dtype: str, shape: str, top_shape: str, *,
+             tie: bool) -> str:
+    """A member's call described, with how its shape differs from the majority's `top_shape`
+    (none in a tie: there is no majority to differ from)."""
+    text = _describe(op, nbytes, dtype, shape)
+    gap = difference(shape, top_shape) if shape != top_shape and not tie else ""
+    return f"{text} ({gap})" if gap else text
+
+
 def _known_shapes(shapes: Sequence[str], n: int) -> tuple[str, ...]:
     """The members' shape texts where every member has one, else none at all (""): a member
     whose source says nothing of shapes has no say, and neither has the comparison."""
@@ -162,13 +171,9 @@ def _from_disagreement(d: Disagreement, exempt: tuple[str, ...],
     row_of_top = next(i for i, k in enumerate(keys) if k == top)
     top_shape = shapes[row_of_top] if what == "shape" else ""
 
-    def described(i: int) -> str:
-        mine = shapes[i] if what == "shape" else ""
-        text = _describe(d.ops[i], d.nbytes[i], d.dtypes[i], mine)
-        gap = difference(mine, top_shape) if mine != top_shape else ""
-        return f"{text} ({gap})" if gap and not tie else text
-
-    theirs = {r: described(i) for i, r in enumerate(d.ranks) if r in culprits}
+    theirs = {r: _against(d.ops[i], d.nbytes[i], d.dtypes[i],
+                          shapes[i] if what == "shape" else "", top_shape, tie=tie)
+              for i, r in enumerate(d.ranks) if r in culprits}
     return _Finding(
         group=d.group, seq=d.seq, culprits=culprits, members=len(d.ranks),
         majority=_describe(d.ops[row_of_top], d.nbytes[row_of_top], d.dtypes[row_of_top],
@@ -208,17 +213,12 @@ def _from_pending_shapes(
     at = next(i for i, k in enumerate(keys) if k == top)
     top_g, top_shape = known[at][1], (shapes[at] if what == "shape" else "")
 
-    def described(g: GroupProgress, shape: str) -> str:
-        mine = shape if what == "shape" else ""
-        gap = difference(mine, top_shape) if not tie else ""
-        text = _describe(op, g.pending_nbytes, g.pending_dtype, mine)
-        return f"{text} ({gap})" if gap else text
-
     return _Finding(
         group=group, seq=seq, culprits=culprits, members=len(known),
         majority=_describe(op, top_g.pending_nbytes, top[1], top_shape),
-        theirs={r: described(g, sh) for (r, g), sh in zip(known, shapes, strict=True)
-                if r in culprits},
+        theirs={r: _against(op, g.pending_nbytes, g.pending_dtype,
+                            sh if what == "shape" else "", top_shape, tie=tie)
+                for (r, g), sh in zip(known, shapes, strict=True) if r in culprits},
         what=what, source="pending", tie=tie,
     )
 
