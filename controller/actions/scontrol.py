@@ -152,6 +152,12 @@ def out_of_service(state: str) -> bool:
     return is_drained(state) or bool(node_flags(state) & {"DOWN", "FAIL", "FAILING"})
 
 
+def controller_up(ping: str) -> bool:
+    """Whether `scontrol ping` printed that a controller is UP ("Slurmctld(primary) at HOST is
+    UP"; a backup's line may follow)."""
+    return re.search(r"^Slurmctld\([^)]*\) at \S+ is UP$", ping, re.MULTILINE) is not None
+
+
 def _tail(text: str) -> str:
     text = text.strip()
     return text if len(text) <= _TAIL_CHARS else "..." + text[-_TAIL_CHARS:]
@@ -295,7 +301,7 @@ class SlurmControl:
         # without scontrol's banner of asterisks ("** RESTORE SLURMCTLD DAEMON TO SERVICE **")
         said = "\n".join(line for line in (done.stdout + done.stderr).splitlines()
                          if line.strip() and not line.lstrip().startswith("*"))
-        if done.returncode != 0 or not re.search(r"\bis UP\b", done.stdout):
+        if done.returncode != 0 or not controller_up(done.stdout):
             conf = (self._env if self._env is not None else os.environ).get("SLURM_CONF")
             raise SlurmError(
                 f"slurmctld does not answer: `scontrol ping` exited with status "

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tracehound.controller.actions.scontrol import (
     SlurmControl,
     SlurmError,
+    controller_up,
     is_drained,
     node_flags,
     out_of_service,
@@ -115,6 +116,12 @@ def test_fields_come_back_as_they_were_printed(fields: dict[str, str]) -> None:
     # values of lower-case words (with '=' and brackets in them) separated by single spaces
     line = " ".join(f"{k}={v}" for k, v in fields.items())
     assert parse_records(line) == ([fields] if fields else [])
+
+
+def test_what_ping_says() -> None:
+    assert controller_up(captured("ping-up.txt"))
+    assert not controller_up(captured("ping-down.txt"))
+    assert not controller_up("")
 
 
 @pytest.mark.parametrize(("state", "flags", "drained", "out"), [
