@@ -236,13 +236,16 @@ class SlurmCluster:
                                f"{done.stderr.strip() or done.stdout.strip()}")
         return done
 
-    def sbatch(self, script: Path | str, *options: str,
+    def sbatch(self, script: Path | str, *options: str, args: Sequence[str] = (),
                env: Mapping[str, str] | None = None, cwd: Path | None = None) -> str:
-        """Submit `script` (a file, or the text of one) with `options`; the job id."""
+        """Submit `script` (a file, or the text of one) with sbatch's `options` and the
+        script's own `args` (a file's only), with `env` added to the cluster's; the job id."""
         argv = ["sbatch", "--parsable", *options]
         stdin = None
         if isinstance(script, Path):
-            argv.append(str(script))
+            argv += [str(script), *args]
+        elif args:
+            raise HarnessError("a script given as text takes no arguments: write it to a file")
         else:
             stdin = script
         done = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False,
@@ -423,10 +426,11 @@ def start_cluster(workdir: Path, *, nodes: int = 2,
     host_address = str(subnet.network_address + 1)
     members = tuple(SlurmNode(name=f"node-{i}", address=str(subnet.network_address + 10 + i),
                               netns=f"th-{tag}-node-{i}") for i in range(1, nodes + 1))
-    env = {**os.environ, "SLURM_CONF": str(workdir / "slurm.conf")}
-    for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SQUEUE_"))
-                and k != "SLURM_CONF"]:
-        del env[key]
+    # this process's environment without Slurm's variables (a test run from inside a job) and
+    # Tracehound's settings: a job gets only what its test gives it
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SQUEUE_", "TRACEHOUND_"))}
+    env["SLURM_CONF"] = str(workdir / "slurm.conf")
     cluster = SlurmCluster(workdir=workdir, conf=workdir / "slurm.conf", nodes=members,
                            host_address=host_address, partition=PARTITION, env=env)
     try:
