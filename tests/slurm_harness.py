@@ -91,11 +91,17 @@ class HarnessError(RuntimeError):
     """The test cluster could not be started, used or stopped."""
 
 
+_PACKAGE_OF = {"ip": "iproute2", "nsenter": "util-linux", "unshare": "util-linux",
+               "setpriv": "util-linux"}
+
+
 def _need(binary: str) -> str:
     found = shutil.which(binary) or next(
         (p for p in (f"/usr/sbin/{binary}", f"/sbin/{binary}") if os.path.exists(p)), None)
     if found is None:
-        raise HarnessError(f"{binary} is not installed: {INSTALL_HINT}")
+        package = _PACKAGE_OF.get(binary)
+        hint = f"apt-get install -y {package}" if package else INSTALL_HINT
+        raise HarnessError(f"{binary} is not installed: {hint}")
     return found
 
 
