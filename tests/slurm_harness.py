@@ -321,9 +321,15 @@ class SlurmCluster:
         self.wait_nodes_idle()
 
     def logs(self, lines: int = 25) -> str:
-        """The tails of the daemons' logs."""
-        names = ["munged.log", "slurmctld.log", *(f"slurmd-{n.name}.log" for n in self.nodes)]
-        return "\n".join(_tail(self.workdir / "log" / name, lines) for name in names)
+        """The tails of the daemons' logs: each one's log file, else what it printed
+        (`<daemon>.out`: munged's only log, and a daemon's words before its log was open)."""
+        log = self.workdir / "log"
+        parts = []
+        for name in ["munged", "slurmctld", *(f"slurmd-{n.name}" for n in self.nodes)]:
+            own = log / f"{name}.log"
+            parts.append(_tail(own if own.exists() and own.stat().st_size else
+                               log / f"{name}.out", lines))
+        return "\n".join(parts)
 
     # -- stop -------------------------------------------------------------------------------
 
@@ -418,6 +424,8 @@ def start_cluster(workdir: Path, *, nodes: int = 2,
     """Start a cluster of `nodes` nodes (node-1, node-2, ...) with its files under `workdir`;
     returns once every node is IDLE. HarnessError with the daemons' log tails when it does not
     get there within `startup_timeout` seconds, or saying what to install."""
+    if nodes < 1:
+        raise ValueError(f"nodes {nodes!r}: expected a number of nodes >= 1")
     if os.geteuid() != 0:
         raise HarnessError("the Slurm test cluster needs root (network namespaces, slurmd)")
     binaries = {b: _need(b) for b in ("munged", "slurmctld", "slurmd", "sinfo", "nsenter",
@@ -450,11 +458,10 @@ def start_cluster(workdir: Path, *, nodes: int = 2,
         key = workdir / "munge" / "munge.key"
         key.write_bytes(secrets.token_bytes(1024))
         key.chmod(0o400)
-        log = workdir / "log"
         _spawn(cluster, "munged", [
             binaries["munged"], "--foreground", "--force", f"--key-file={key}",
             f"--socket={munge_socket}", f"--pid-file={workdir / 'run' / 'munged.pid'}",
-            f"--seed-file={workdir / 'munge' / 'seed'}", f"--log-file={log / 'munged.log'}"])
+            f"--seed-file={workdir / 'munge' / 'seed'}"])
         cluster.wait_for("munged's socket", munge_socket.exists, startup_timeout)
         _spawn(cluster, "slurmctld", [binaries["slurmctld"], "-D", "-i", "-f", str(cluster.conf)])
         for node in members:
