@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: static checks, then pytest against a real ClickHouse server and chdb.
 # Installs the ClickHouse server (Debian package) when missing and starts it on a free loopback
-# port unless TRACEHOUND_TEST_CLICKHOUSE_URL names one already; stops it at the end.
+# port unless TRACEHOUND_TEST_CLICKHOUSE_URL names one already; stops it at the end. Installs
+# Debian's Slurm when missing (tests/slurm start their own cluster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
