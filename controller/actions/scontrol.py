@@ -26,7 +26,9 @@ How a step knows it was already done, from what scontrol reports before it acts:
              there is nothing to requeue. A requeue passes through COMPLETING, as an ending job
              does, so a COMPLETING job is waited for (at most `timeout_s`) before deciding. A
              CANCELLED or COMPLETED job is not requeued (ok=False): someone stopped it, or it
-             is done; a FAILED one is (a crashed rank fails the job)
+             is done; a FAILED one is (a crashed rank fails the job). Once the requeued job
+             runs again, a requeue is a new one: a caller that must not restart a job twice
+             for one decision keeps what it did (the job's Restarts are in `scontrol show job`)
     cancel   a job that ended (COMPLETED, CANCELLED, FAILED, ...) or that the controller no
              longer knows (purged MinJobAge after it ended) is left alone. scancel's exit status
              says nothing (22.05 exits 0 for a job id it does not know), so the state is read
