@@ -2,8 +2,8 @@
 to the real two-node test cluster: one `tracehound agent` per node, four gloo ranks (two per
 node) each with the recorder for its own node's agent, records in the store; and, hung in its
 first run and requeued with the watcher's adapter, the same job resumes from its last
-checkpoint as attempt 1. docs/slurm-section.md shows this file to users; a test there keeps the
-two the same.
+checkpoint as attempt 1. README.md shows this file to users; tests/slurm/test_slurm_section.py
+keeps the two the same.
 
 The store: the README's pattern for jobs that Tracehound does not launch is a node agent per
 node shipping to `TRACEHOUND_SINK`, which is a ClickHouse server or the http:// ingest endpoint
