@@ -231,14 +231,22 @@ class _WaitsFor:
     def __init__(self, beats: Mapping[int, Heartbeat], exited: set[int],
                  members: Mapping[str, frozenset[int]], frozen: frozenset[int],
                  silent: frozenset[int], *, untraced: Iterable[int] = (),
-                 everyone: frozenset[int] = frozenset()) -> None:
+                 everyone: frozenset[int] = frozenset(),
+                 recorded: Mapping[tuple[int, str], int] | None = None) -> None:
         self.reached: dict[tuple[int, str], int] = {}
+        """How far each rank entered each group: the furthest of its heartbeat and its stored
+        records (`JobSnapshot.recorded`, ahead of a heartbeat sent before a burst)."""
+        self.beat: dict[tuple[int, str], int] = {}
+        """The same by its heartbeat alone."""
         self.pending: dict[int, list[tuple[str, int]]] = {}
         for rank, hb in beats.items():
             for g in hb.groups:
-                self.reached[(rank, g.group)] = g.last_enqueued
+                self.beat[(rank, g.group)] = self.reached[(rank, g.group)] = g.last_enqueued
                 if g.pending_op and rank not in exited and rank not in frozen:
                     self.pending.setdefault(rank, []).append((g.group, g.last_enqueued))
+        for key, seq in (recorded or {}).items():
+            if seq > self.reached.get(key, 0):
+                self.reached[key] = seq
         for rank in untraced:  # seen waiting by its stack, in a collective of unknown group
             self.pending.setdefault(rank, []).append(_UNTRACED)
         self._everyone = tuple(sorted(everyone))
@@ -376,7 +384,8 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
         if stack is not None:
             untraced[r] = stack
     graph = _WaitsFor(beats, exited, members, frozen, silent_only, untraced=untraced,
-                      everyone=frozenset(r for r in expected if r not in exited))
+                      everyone=frozenset(r for r in expected if r not in exited),
+                      recorded=snap.recorded)
     roots, acyclic = graph.roots(w.rank for w in stalled)
     if not acyclic and untraced:
         roots = set()  # waiters waiting on waiters, some where no trace shows: not localized
@@ -391,17 +400,25 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
             if member in lag_facts:
                 continue
             reached = graph.entered(member, group)
-            where = "never reported" if member not in beats else f"last entered #{reached}"
+            where = _reach_words(graph, member, group, reported=member in beats)
+            # by its records a rank completed up to a collective: whether it entered the next
+            # one they cannot tell
+            by_records = reached > graph.beat.get((member, group), 0)
+            if reached < seq:
+                head = (f"{'was not seen entering' if by_records else 'never entered'} "
+                        f"collective #{seq} of group {group} ({where}); ")
+            elif by_records:
+                head = f"completed collective #{seq} of group {group} ({where}), then froze; "
+            else:
+                head = f"entered collective #{seq} of group {group} and froze there; "
             elsewhere = untraced.get(member)
             lag_facts[member] = Evidence(
                 fact=Fact.LAGGING, rank=member, node=node_of(member), group=group,
-                seq=seq, value=float(seq - reached),
+                seq=seq, value=float(max(seq - reached, 0)),
                 detail=(
-                    f"rank {member} on node {node_of(member)} "
-                    + (f"never entered collective #{seq} of group {group} ({where}); "
-                       if reached < seq else
-                       f"entered collective #{seq} of group {group} and froze there; ")
-                    + _stuck_words(beats, member, group)
+                    f"rank {member} on node {node_of(member)} " + head
+                    + _stuck_words(beats, member, group,
+                                   recorded=snap.recorded.get((member, group), 0))
                     + f"{waiting_in[group]} rank(s) wait on it"
                     + ("" if elsewhere is None else
                        "; it waits itself, in a collective the trace does not show ("
@@ -669,18 +686,34 @@ def _stall(
     )
 
 
-def _stuck_words(beats: Mapping[int, Heartbeat], member: int, group: str) -> str:
+def _reach_words(graph: _WaitsFor, member: int, group: str, *, reported: bool) -> str:
+    """How far a laggard got in `group`, and by which source: its stored records where they
+    are ahead of its last heartbeat (which the words then give too), else its heartbeat."""
+    reached = graph.entered(member, group)
+    beat = graph.beat.get((member, group))
+    if reached > (beat or 0):
+        told = ("it reported no heartbeat" if not reported else
+                "its last heartbeat named no work in the group" if beat is None else
+                f"its last heartbeat, {reached - beat} collective(s) older, said #{beat}")
+        return f"completed #{reached} by its stored records; {told}"
+    return "never reported" if not reported else f"last entered #{reached}"
+
+
+def _stuck_words(beats: Mapping[int, Heartbeat], member: int, group: str, *,
+                 recorded: int = 0) -> str:
     """Where a laggard's own work in `group` stopped completing, when its peers completed that
     work ("" otherwise): it issued the call (a peer cannot complete a collective a member never
     joined) and is stuck in it; its later calls are not issued yet. On a GPU this is work
-    enqueued whose kernel never finished."""
+    enqueued whose kernel never finished. Not where its stored records (`recorded`: the
+    furthest it reached by them) show that work completed."""
     beat = beats.get(member)
     own = next((g for g in beat.groups if g.group == group), None) if beat else None
-    if own is None or own.last_enqueued <= own.last_completed:
+    completed = max(own.last_completed, recorded) if own is not None else 0
+    if own is None or own.last_enqueued <= completed:
         return ""
     done = max((g.last_completed for r, hb in beats.items() if r != member
                 for g in hb.groups if g.group == group), default=0)
-    first = own.last_completed + 1
+    first = completed + 1
     if done < first:
         return ""
     return (f"its work from #{first} on (entered through #{own.last_enqueued}) never "

@@ -63,12 +63,14 @@ from tracehound.analysis.mismatch import detect_mismatch
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.outliers import detect_node_outliers
 from tracehound.analysis.settings import DetectionSettings
-from tracehound.analysis.snapshot import JobSnapshot
+from tracehound.analysis.snapshot import JobSnapshot, with_recorded
 from tracehound.analysis.stacks import detect_silent_hang
 from tracehound.analysis.standstill import detect_standstill
 from tracehound.analysis.straggler import detect_straggler
 from tracehound.analysis.verdict import Basis, Evidence, Fact, Verdict
+from tracehound.tracing.errors import TemporaryStoreError
 from tracehound.tracing.events import IncidentKind
+from tracehound.tracing.store import TraceStore
 
 _CORROBORATED = frozenset({IncidentKind.STRAGGLER, IncidentKind.SLOW_LINK})
 
@@ -135,6 +137,41 @@ def diagnose_observation(obs: Observation | JobSnapshot,
             and verdict.basis is Basis.UNLOCALIZED):
         return _unlocalized(verdict, obs, settings)
     return verdict
+
+
+def diagnose_with_records(store: TraceStore, obs: Observation,
+                          settings: DetectionSettings | None = None
+                          ) -> tuple[Verdict | None, Observation]:
+    """`diagnose_observation` of an observation read from `store`, with where each lagging
+    rank got to taken from the freshest source: where the verdict says ranks have not entered
+    a collective (`Fact.LAGGING`), their stored records in that group beyond their heartbeats
+    are read (`snapshot.with_recorded`, one small query per group) and, when any are ahead,
+    the analysis runs again with them, so that no fact says less than the records those ranks
+    shipped. A store that does not answer that query leaves the verdict as the heartbeats
+    gave it. The verdict and the observation it was judged on."""
+    verdict = diagnose_observation(obs, settings)
+    if verdict is None:
+        return None, obs
+    snap = obs.snapshot
+    heard: dict[tuple[int, str], int] = {
+        (int(hb.rank), str(g.group)): g.last_enqueued for hb in snap.heartbeats
+        for g in hb.groups}
+    wanted: dict[str, tuple[int, list[int]]] = {}
+    for ev in verdict.evidence:
+        if ev.fact is Fact.LAGGING and ev.group:
+            since, ranks = wanted.get(ev.group, (1 << 62, []))
+            ranks.append(ev.rank)
+            wanted[ev.group] = (min(since, heard.get((ev.rank, ev.group), 0) + 1), ranks)
+    if not wanted:
+        return verdict, obs
+    try:
+        fresher = with_recorded(store, snap, wanted)
+    except TemporaryStoreError:
+        return verdict, obs
+    if fresher is snap:
+        return verdict, obs
+    obs = replace(obs, snapshot=fresher)
+    return diagnose_observation(obs, settings), obs
 
 
 def _unlocalized(verdict: Verdict, obs: Observation, settings: DetectionSettings) -> Verdict:

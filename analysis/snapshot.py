@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from tracehound.tracing.events import (
     Heartbeat,
@@ -36,6 +36,12 @@ class JobSnapshot:
     """The newest process sample of each rank (node agent, `/proc`), where there is one."""
     stacks: tuple[StackSample, ...] = ()
     """The newest stack sample of each rank taken lately, where there is one."""
+    recorded: Mapping[tuple[int, str], int] = field(default_factory=dict)
+    """(rank, group) -> the highest sequence id of the rank's stored collective records in the
+    group as of `now_us`, where it was read (`with_recorded`: for the ranks a hang leads to).
+    A rank ships its records as it completes them and beats its heart about once a second, so
+    in a burst of collectives (FSDP: dozens a second) its records are ahead of its last
+    heartbeat; stopped in the burst, they stay ahead."""
 
     def node_of(self, rank: int) -> str:
         """The node a rank ran on, from whatever record names it."""
@@ -79,6 +85,26 @@ def load_snapshot(
     )
 
 
+def with_recorded(store: TraceStore, snap: JobSnapshot,
+                  wanted: Mapping[str, tuple[int, Sequence[int]]]) -> JobSnapshot:
+    """`snap` with the stored reach (`JobSnapshot.recorded`) of some ranks read in: `wanted`
+    maps a group to (the sequence id from which records count, its ranks). Records enqueued
+    after `now_us` (by their rank's clock) do not count. One small query per group (the
+    order key's range: job, attempt, group, seq); `snap` as it is when nothing is ahead."""
+    found = dict(snap.recorded)
+    for group, (from_seq, ranks) in sorted(wanted.items()):
+        if not ranks:
+            continue
+        reach = store.recorded_reach(snap.job, snap.attempt, group, sorted(set(ranks)),
+                                     from_seq=max(from_seq, 1), until_us=snap.now_us)
+        for rank, seq in reach.items():
+            if seq > found.get((rank, group), 0):
+                found[(rank, group)] = seq
+    if found == dict(snap.recorded):
+        return snap
+    return replace(snap, recorded=found)
+
+
 def snapshot_to_json(snap: JobSnapshot) -> str:
     """A snapshot as JSON (records in their wire form), for golden traces and incident evidence."""
     records: list[Record] = [
@@ -91,6 +117,7 @@ def snapshot_to_json(snap: JobSnapshot) -> str:
             "now_us": snap.now_us,
             "expected_ranks": {str(r): n for r, n in sorted(snap.expected_ranks.items())},
             "records": [encode(r) for r in records],
+            "recorded": [[r, g, seq] for (r, g), seq in sorted(snap.recorded.items())],
         },
         indent=1,
     )
@@ -112,4 +139,5 @@ def snapshot_from_json(text: str) -> JobSnapshot:
         expected_ranks={int(r): str(n) for r, n in raw.get("expected_ranks", {}).items()},
         processes=tuple(r for r in records if isinstance(r, ProcessSample)),
         stacks=tuple(r for r in records if isinstance(r, StackSample)),
+        recorded={(int(r), str(g)): int(seq) for r, g, seq in raw.get("recorded", [])},
     )

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.diagnose import diagnose_with_records
 from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.settings import DetectionSettings
 from tracehound.analysis.snapshot import JobSnapshot, load_snapshot
@@ -82,7 +82,7 @@ def diagnose_stored(
     latest = _as_of_end(store, job, candidates[0], window_s, incidents)
     for a in candidates:
         obs = latest if a == candidates[0] else _as_of_end(store, job, a, window_s, incidents)
-        verdict = diagnose_observation(obs, settings)
+        verdict, obs = diagnose_with_records(store, obs, settings)
         if verdict is not None:
             return {**verdict.to_dict(), "ranks_seen": len(obs.snapshot.heartbeats)}
     a = candidates[0]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from tracehound.analysis.diagnose import diagnose_observation
+from tracehound.analysis.diagnose import diagnose_with_records
 from tracehound.analysis.observation import load_observation
 from tracehound.analysis.rhythm import (
     EXPECTED_PAUSE,
@@ -585,7 +585,7 @@ class Supervisor:
                 continue
             if self.observer is not None:
                 self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
-            verdict = diagnose_observation(obs, self.settings.detection)
+            verdict, obs = diagnose_with_records(self.store, obs, self.settings.detection)
             self._stacks = obs.snapshot.stacks
             self._pause_ended(verdict, now)
             self._record_held(verdict)

@@ -188,6 +188,23 @@ def test_latest_heartbeats_picks_the_newest_per_rank(store: TraceStore) -> None:
     assert store.latest_heartbeats(JOB, 2) == []
 
 
+def test_recorded_reach_is_the_highest_stored_seq_per_rank_from_a_seq_and_by_a_time(
+    store: TraceStore,
+) -> None:
+    rows = [collective(r, s) for r in (0, 1, 2) for s in range(1, 6 + r)]  # 0: 5, 1: 6, 2: 7
+    rows += [collective(3, s, group="9") for s in range(1, 40)]  # another group
+    rows += [collective(0, s, attempt=1) for s in range(1, 30)]  # another attempt
+    store.insert(Batch(batch_id="b-reach", records=tuple(rows)))
+    late = collective(2, 7).enqueue_us  # rank 2's seq 7 enqueued then: not by a time before
+    reach = store.recorded_reach(JOB, 0, "0", [0, 1, 2, 3, 1], from_seq=3, until_us=late - 1)
+    assert reach == {0: 5, 1: 6, 2: 6}  # rank 3 has nothing in group "0"
+    assert store.recorded_reach(JOB, 0, "0", [0, 1, 2], from_seq=7, until_us=late) == {2: 7}
+    assert store.recorded_reach(JOB, 0, "0", [0], from_seq=6, until_us=BIG) == {}
+    assert store.recorded_reach(JOB, 0, "9", [3], from_seq=1, until_us=BIG) == {3: 39}
+    assert store.recorded_reach(JOB, 1, "0", [0], from_seq=1, until_us=BIG) == {0: 29}
+    assert store.recorded_reach(JOB, 0, "0", [], from_seq=1, until_us=BIG) == {}
+
+
 def test_retry_of_a_landed_batch_stores_nothing_twice(store: TraceStore) -> None:
     batch = every_kind_batch()
     first = store.insert(batch, maybe_duplicate=True)

@@ -514,6 +514,19 @@ class SqlTraceStore(abc.ABC):
             typical_n=np.array(typical_n, dtype=np.int64),
         )
 
+    def recorded_reach(self, job: JobId, attempt: int, group: str, ranks: Sequence[int], *,
+                       from_seq: int, until_us: int) -> dict[int, int]:
+        wanted = sorted({int(r) for r in ranks if int(r) >= 0})
+        if not wanted:
+            return {}
+        params: dict[str, Param] = {"job": job, "attempt": attempt, "group": group,
+                                    "from_seq": max(int(from_seq), 0),
+                                    "until_us": max(int(until_us), 0)}
+        params.update({f"rank_{i}": rank for i, rank in enumerate(wanted)})
+        placeholders = ", ".join(f"{{rank_{i}:UInt32}}" for i in range(len(wanted)))
+        rows = self._query(self._sql(q.SQL_RECORDED_REACH, ranks=placeholders), params)
+        return {int(rank): int(seq) for rank, seq in rows}
+
     def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:
         return self._read(StackSample, q.SQL_LATEST_SINCE,
                           {"job": job, "attempt": attempt, "since_us": max(since_us, 0)})

@@ -172,6 +172,14 @@ class TraceStore(Protocol):
         start_us < end_us, width_us > 0 (at most `summaries.MAX_BUCKETS` buckets) and top >= 1."""
         ...
 
+    def recorded_reach(self, job: JobId, attempt: int, group: str, ranks: Sequence[int], *,
+                       from_seq: int, until_us: int) -> dict[int, int]:
+        """Per rank of `ranks`, the highest sequence id of its stored collective records in
+        `group` from `from_seq` on, enqueued by `until_us` (its rank's clock); ranks with no
+        such record are left out. How far a rank got by what it shipped, which can be ahead of
+        its last heartbeat."""
+        ...
+
     def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:
         """The newest stack sample of every rank taken at or after `since_us`, ordered by rank."""
         ...

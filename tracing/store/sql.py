@@ -77,6 +77,17 @@ WHERE job = {job:String} AND attempt = {attempt:UInt32}
 ORDER BY group_id, seq, rank
 """
 
+SQL_RECORDED_REACH = """
+SELECT rank, max(seq)
+FROM {db}.collectives
+WHERE job = {job:String} AND attempt = {attempt:UInt32} AND group_id = {group:String}
+  AND seq >= {from_seq:UInt64} AND enqueue_us <= {until_us:UInt64} AND rank IN ({ranks})
+GROUP BY rank
+ORDER BY rank
+"""
+"""Per rank asked for, its highest stored seq in one group from `from_seq` (the order key's
+range: job, attempt, group_id, seq)."""
+
 SQL_COLLECTIVE_KEYS = """
 SELECT attempt, rank, group_id, seq
 FROM {db}.collectives
