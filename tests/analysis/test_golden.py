@@ -57,3 +57,19 @@ def test_one_second_earlier_the_hang_was_not_yet_declared() -> None:
         ),
     )
     assert diagnose_observation(earlier, DetectionSettings()) is None
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_every_fact_agrees_with_the_recorded_heartbeats(name: str) -> None:
+    """The evidence check of the real-job tests (`evidence_check`) on the recorded verdicts:
+    the snapshots hold heartbeats only, so each position fact is held to them."""
+    from evidence_check import contradictions
+
+    snap = snapshot_from_json((GOLDEN / f"{name}.snapshot.json").read_text())
+    verdict = diagnose_observation(snap, DetectionSettings())
+    assert verdict is not None
+    found, checked = contradictions([], list(snap.heartbeats),
+                                    {"attempt": snap.attempt, "verdict": verdict.to_dict()})
+    assert not found
+    if verdict.basis is Basis.CONTROL_DEPENDENCY:  # its laggard and waiters at least
+        assert checked >= 2

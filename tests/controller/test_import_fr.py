@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from evidence_check import check_incidents
+
+from tracehound.tracing.store import open_store
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "fr"
 
@@ -86,6 +89,8 @@ def test_a_hang_names_the_frozen_rank_that_left_no_dump(tmp_path: Path, store: s
                for e in verdict["evidence"])
     waiting = {e["rank"] for e in verdict["evidence"] if e["fact"] == "waiting"}
     assert waiting == {0, 2}
+    with open_store(store, create=False) as opened:  # the evidence agrees with the records
+        assert check_incidents(opened, "hang", [{"attempt": 0, "verdict": verdict}]) >= 3
 
 
 def test_an_op_mismatch_names_the_rank_that_ran_the_other_op(tmp_path: Path,
