@@ -208,9 +208,78 @@ def alerts_frame(incident: Incident) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------- progress
 
 STATUSES = ("completed", "late", "failed", "completed, not recorded", "waiting", "not entered",
-            "no record")
-"""Cell statuses of the progress view, in legend order."""
-COLOURS = ("#4c9a5f", "#e8a33d", "#b22222", "#a6cfa9", "#d95f5f", "#5a5a5a", "#dddddd")
+            "no record", "culprit: not entered", "culprit: pending", "culprit: frozen")
+"""Cell statuses of the progress view, in legend order; the last three are the culprit's own
+state at the collective its incident names (`CulpritState`)."""
+COLOURS = ("#4c9a5f", "#e8a33d", "#b22222", "#a6cfa9", "#d95f5f", "#5a5a5a", "#dddddd",
+           "#000000", "#7b3294", "#1f4e9c")
+
+
+@dataclass(frozen=True, slots=True)
+class CulpritState:
+    """Where a culprit rank of an incident was at the collective the incident names, by its
+    evidence: `status` is a `STATUSES` culprit status, `words` the evidence in brief."""
+
+    rank: int
+    group: str
+    seq: int
+    status: str
+    words: str
+
+
+_LIFE_FACTS = ("frozen", "silent", "exit")
+
+
+def culprit_states(incident: Incident | None) -> dict[int, CulpritState]:
+    """Per culprit rank, its state at the collective the incident's evidence places it
+    (a `lagging` fact): not entered (it never entered it, or its records end before it),
+    frozen (entered, and its process is stopped or gone) or pending (entered, not completed).
+    Ranks without such a fact are left out."""
+    if incident is None:
+        return {}
+    facts = [e for e in verdict_of(incident).get("evidence", []) if isinstance(e, dict)]
+    out: dict[int, CulpritState] = {}
+    for rank in (int(r) for r in incident.culprit_ranks):
+        mine = [e for e in facts if e.get("rank") == rank]
+        lag = next((e for e in mine if e.get("fact") == "lagging" and e.get("group")
+                    and "other rank(s)" not in str(e.get("detail", ""))), None)
+        if lag is None:
+            continue
+        life = next((e for e in mine if e.get("fact") in _LIFE_FACTS), None)
+        seq, group = int(lag.get("seq", 0)), str(lag["group"])
+        if float(lag.get("value", 0.0)) > 0:
+            status, where = "culprit: not entered", f"not entered #{seq}"
+        elif life is not None and life.get("fact") != "silent":
+            status, where = "culprit: frozen", f"entered #{seq}, not completed"
+        else:
+            status, where = "culprit: pending", f"entered #{seq}, not completed"
+        known = _first_bracketed(str(lag.get("detail", "")))
+        words = where + (f" ({known})" if known else "")
+        if life is not None:
+            words += f"; {_life_words(str(life.get('detail', '')), str(life.get('fact')))}"
+        out[rank] = CulpritState(rank=rank, group=group, seq=seq, status=status, words=words)
+    return out
+
+
+def _first_bracketed(text: str) -> str:
+    """What the first parentheses of `text` hold, nested ones included ("" for none)."""
+    start = text.find("(")
+    depth = 0
+    for i in range(max(start, 0), len(text) if start >= 0 else 0):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i]
+    return ""
+
+
+def _life_words(detail: str, fact: str) -> str:
+    """A rank's process as its frozen, silent or exit fact says, in a few words."""
+    lowered = detail.lower()
+    for needle, words in (("stopped", "its process is stopped"), ("gone", "its process is gone"),
+                          ("exited", "it exited"), ("silent", "it fell silent")):
+        if needle in lowered:
+            return words
+    return {"frozen": "frozen", "silent": "it fell silent", "exit": "it exited"}.get(fact, fact)
 
 LATE_MIN_US = 5_000
 """A cell is late only if its ranks arrived at least this long after the first rank."""
@@ -225,7 +294,8 @@ def incident_group(incident: Incident | None) -> str:
     return group if isinstance(group, str) else ""
 
 
-def progress_frame(grid: ProgressGrid, culprits: Iterable[int] = ()) -> pd.DataFrame:
+def progress_frame(grid: ProgressGrid, culprits: Iterable[int] = (),
+                   states: Mapping[int, CulpritState] | None = None) -> pd.DataFrame:
     """One row per (rank bucket, sequence id) of the grid's window (`seq_window`) with its
     status:
 
@@ -238,9 +308,15 @@ def progress_frame(grid: ProgressGrid, culprits: Iterable[int] = ()) -> pd.DataF
       or not stored yet) is `completed, not recorded`;
     - without rows or heartbeats, `no record`.
 
-    `culprit` marks the buckets that hold a culprit rank."""
+    `culprit` marks the buckets that hold a culprit rank, and their `ranks` label says so
+    (the cells stay as they are). The cell of a culprit's bucket at the collective its
+    incident names shows the culprit's own state there (`states`, `culprit_states`: not
+    entered, pending or frozen, by the incident's evidence), in this grid's group; `state`
+    gives it in words."""
     width = max(grid.width, 1)
     culprit_buckets = {(r // width) * width for r in culprits}
+    at = {((st.rank // width) * width, st.seq): st for st in (states or {}).values()
+          if st.group == grid.group}
     cells = {(c.bucket, c.seq): c for c in grid.cells}
     beats = {b.bucket: b for b in grid.buckets}
     buckets = sorted({b for b, _ in cells} | set(beats))
@@ -266,16 +342,21 @@ def progress_frame(grid: ProgressGrid, culprits: Iterable[int] = ()) -> pd.DataF
                 status = "completed, not recorded"
             else:
                 status = "no record"
+            own = at.get((bucket, seq))
+            if own is not None:
+                status = own.status
+            label = f"{bucket}-{bucket + width - 1}" if width > 1 else str(bucket)
             rows.append({
-                "ranks": f"{bucket}-{bucket + width - 1}" if width > 1 else str(bucket),
+                "ranks": label + (" culprit" if bucket in culprit_buckets else ""),
                 "bucket": bucket, "seq": seq, "status": status,
                 "op": cell.op if cell else "",
                 "recorded": cell.ranks if cell else 0,
                 "late max (ms)": round(cell.late_max_us / 1000, 3) if cell else math.nan,
                 "culprit": bucket in culprit_buckets,
+                "state": f"rank {own.rank}: {own.words}" if own is not None else "",
             })
     return pd.DataFrame(rows, columns=["ranks", "bucket", "seq", "status", "op", "recorded",
-                                       "late max (ms)", "culprit"])
+                                       "late max (ms)", "culprit", "state"])
 
 
 def _recorded_status(cell: ProgressCell, typical_us: float) -> str:
@@ -296,15 +377,34 @@ def seq_window(grid: ProgressGrid) -> tuple[int, int]:
     return max(1, entered - (grid.seq_hi - grid.seq_lo)), entered
 
 
-def behind_frame(grid: ProgressGrid, limit: int = 10) -> pd.DataFrame:
-    """The buckets furthest behind in the group: lowest completed sequence id first."""
+def behind_frame(grid: ProgressGrid, limit: int = 10, culprits: Sequence[int] = (),
+                 states: Mapping[int, CulpritState] | None = None) -> pd.DataFrame:
+    """The buckets furthest behind in the group, by the evidence first: the buckets of the
+    incident's culprits in its order, with the culprit's state from its evidence (a culprit
+    stopped mid-burst reports an older heartbeat than its peers wait on: the heartbeat columns
+    alone would show it no further behind than they are), then the others by lowest completed
+    sequence id (their heartbeats)."""
     width = max(grid.width, 1)
-    rows = sorted(grid.buckets, key=lambda b: (b.min_completed, b.bucket))[:limit]
+    ahead = [(r // width) * width for r in culprits]
+    rank_of = {(r // width) * width: r for r in reversed(culprits)}
+    first = {b: i for i, b in enumerate(dict.fromkeys(ahead))}
+    rows = sorted(grid.buckets, key=lambda b: (first.get(b.bucket, len(first)),
+                                               b.min_completed, b.bucket))[:limit]
+
+    def evidence(bucket: int) -> str:
+        if bucket not in rank_of:
+            return ""
+        own = (states or {}).get(rank_of[bucket])
+        if own is None or own.group != grid.group:
+            return f"culprit rank {rank_of[bucket]}"
+        return f"culprit rank {own.rank}: {own.words}"
+
     return pd.DataFrame(
         [{"ranks": f"{b.bucket}-{b.bucket + width - 1}" if width > 1 else str(b.bucket),
+          "evidence": evidence(b.bucket),
           "lowest completed": b.min_completed, "highest entered": b.max_enqueued,
           "ranks pending": b.pending, "ranks reporting": b.ranks} for b in rows],
-        columns=["ranks", "lowest completed", "highest entered", "ranks pending",
+        columns=["ranks", "evidence", "lowest completed", "highest entered", "ranks pending",
                  "ranks reporting"],
     )
 

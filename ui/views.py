@@ -11,7 +11,7 @@ store binds every value).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import altair as alt
 import pandas as pd
@@ -216,28 +216,31 @@ def _progress_view(store: TraceStore, job: str, states: Sequence[JobState], _ran
     if not grid.cells and not grid.buckets:
         st.info("No collective of this group and attempt is stored.")
         return
-    frame = data.progress_frame(grid, culprits)
+    at_hang = data.culprit_states(incident)
+    frame = data.progress_frame(grid, culprits, at_hang)
     lo, hi = data.seq_window(grid)
     if incident is not None and culprits:
         st.text(f"culprit (incident {incident.incident_id}, {incident.kind}): ranks "
                 f"{', '.join(str(r) for r in culprits[:8])} on "
                 f"{', '.join(incident.culprit_nodes[:4])}")
+        for own in list(at_hang.values())[:4]:
+            st.text(f"rank {own.rank} at #{own.seq} of group {own.group}: {own.words}")
     elif incident is not None:
         st.text(f"incident {incident.incident_id}, {incident.kind}: "
                 f"{data.unlocalized_words(incident)}")
     st.text(f"group {group}, attempt {attempt}: sequence ids "
-               f"{lo}-{hi}, {grid.width} rank(s) per row; a culprit's rows "
-               "are outlined")
+            f"{lo}-{hi}, {grid.width} rank(s) per row; a culprit's rows say so in their "
+            "label, and its cell at the collective of the incident its state there")
     if group.endswith(COUNTED_SUFFIX):
         st.caption("This group counts DDP's own communication (gradient buckets, buffer "
                    "broadcasts): its ids are operations, and one is recorded per training "
                    "step, so the ids between are `completed, not recorded` by design.")
     st.altair_chart(_progress_chart(frame), width="stretch")
     st.subheader("Furthest behind")
-    st.dataframe(data.behind_frame(grid), hide_index=True)
+    st.dataframe(data.behind_frame(grid, culprits=culprits, states=at_hang), hide_index=True)
 
 
-def _progress_chart(frame: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
+def _progress_chart(frame: pd.DataFrame) -> alt.Chart:
     colour = alt.Color("status:N", scale=alt.Scale(domain=list(data.STATUSES),
                                                    range=list(data.COLOURS)))
     order = sorted(set(frame["bucket"]))
@@ -245,10 +248,9 @@ def _progress_chart(frame: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
               title="ranks")
     base = alt.Chart(frame).encode(x=alt.X("seq:O", title="sequence id"), y=y)
     cells = base.mark_rect().encode(
-        color=colour, tooltip=["ranks", "seq", "status", "op", "recorded", "late max (ms)"])
-    outline = base.transform_filter(alt.datum.culprit).mark_rect(
-        fill=None, stroke="black", strokeWidth=2)
-    return alt.layer(cells, outline).properties(height=max(160, min(14 * len(order), 900)))
+        color=colour,
+        tooltip=["ranks", "seq", "status", "op", "recorded", "late max (ms)", "state"])
+    return cast(alt.Chart, cells.properties(height=max(160, min(14 * len(order), 900))))
 
 
 # -------------------------------------------------------------------------------- stragglers

@@ -100,6 +100,29 @@ def test_fsdp2_rank_stopped_in_all_gather_clip_optimizer_and_an_untraced_group(
     assert waits and all("all_reduce" in e["detail"] for e in waits), waits
     backend = [e for e in hangs[3]["verdict"]["evidence"] if e["fact"] == "waiting"]
     assert backend and all(e["group"].endswith(":c10d") for e in backend), backend
+    # (run_and_list held every fact to the stored records.) The dashboard's progress view of
+    # the hang in the all-gather: the culprit's row, its own state at the collective it hangs
+    # in, and "furthest behind" led by it
+    from tracehound.ui import data
+
+    store = open_store(f"chdb://{tmp_path / 'store'}", create=False)
+    try:
+        (first,) = [i for i in store.incidents("fsdp-stops") if i.attempt == 0
+                    and i.kind == "hang"]
+        states = data.culprit_states(first)
+        own = states[1]
+        grid = store.progress_grid("fsdp-stops", 0, own.group, last_seqs=64)
+    finally:
+        store.close()
+    frame = data.progress_frame(grid, first.culprit_ranks, states)
+    at_hang = frame[frame["seq"] == own.seq].set_index("ranks")
+    assert at_hang.loc["1 culprit", "status"] == own.status, (own, at_hang)
+    assert own.status in ("culprit: not entered", "culprit: frozen"), own
+    assert "its process is stopped" in own.words, own
+    behind = data.behind_frame(grid, culprits=first.culprit_ranks, states=states)
+    assert behind["ranks"].iloc[0] == "1" and behind["evidence"].iloc[0].startswith(
+        "culprit rank 1: "), behind
+    print(f"attempt 0 at #{own.seq} of group {own.group}: {own.words}")
 
 
 def test_tensor_parallel_functional_collectives_and_the_standstill_alone(

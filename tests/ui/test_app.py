@@ -29,7 +29,7 @@ def _culprit_cells(at: Any) -> set[str]:
     """The rank rows the progress chart outlines as the culprit's."""
     (chart,) = charts(at)
     rows = _chart_rows(chart)
-    return {r["ranks"] for r in rows if r["culprit"]}
+    return {r["ranks"].removesuffix(" culprit") for r in rows if r["culprit"]}
 
 
 def _chart_rows(chart: dict[str, Any]) -> list[dict[str, Any]]:
@@ -232,12 +232,23 @@ def test_every_view_on_a_real_demo_run(demo_store: FilledStore,
     # done with that call and a peer that had not still inside it (seen: ranks 0 and 1 inside
     # 121, rank 2 inside 120; rank 0 done with 24 while 1 and 2 waited in it); rank 3 was
     # stopped before it entered the last call or inside it, and never completed it
-    column = {seq: {r["ranks"]: r["status"] for r in rows if r["seq"] == seq}
+    column = {seq: {r["ranks"].removesuffix(" culprit"): r["status"] for r in rows
+                    if r["seq"] == seq}
               for seq in (last - 1, last)}
     assert all("waiting" in (column[last].get(r), column[last - 1].get(r))
                or column[last].get(r) == "completed" for r in "012"), column
     assert [column[last].get(r) for r in "012"].count("waiting") >= 1, column
     assert column[last].get("3") not in ("completed", "completed, not recorded"), column
+    # the culprit's row says so in its label, and its cell at the hang its own state there
+    assert {r["ranks"] for r in rows if r["culprit"]} == {"3 culprit"}
+    own = [r for r in rows if r["status"].startswith("culprit: ")]
+    assert len(own) == 1 and own[0]["ranks"] == "3 culprit", own
+    assert own[0]["state"].startswith("rank 3: "), own
+    shown = "\n".join(texts(at))
+    assert f"rank 3 at #{own[0]['seq']} of group " in shown
+    behind = tables(at)[0]
+    assert behind["ranks"].iloc[0] == "3" and behind["evidence"].iloc[0].startswith(
+        "culprit rank 3: "), behind
     assert column[last]["3"] in ("not entered", "waiting")
     assert _culprit_cells(at) == {"3"}
     for view in ("stragglers", "health"):

@@ -111,9 +111,12 @@ def test_each_view_names_the_culprit_of_a_real_demo_run(demo_store: FilledStore,
               shots / "demo-incident.png", cells=("isolate", "resumed"))
         page.get_by_text("rank 3 on node node-1", exact=False).first.wait_for()
         _load(page, base, "progress", "demo-hang",
-              ["culprit (incident demo-hang/0/1, hang): ranks 3 on node-1", "Furthest behind"],
-              shots / "demo-progress.png")
+              ["culprit (incident demo-hang/0/1, hang): ranks 3 on node-1", "Furthest behind",
+               "rank 3 at #"], shots / "demo-progress.png")
         assert page.locator("canvas, svg").count() > 0  # the heatmap is drawn
+        # "Furthest behind" leads with the culprit and its state by the evidence
+        page.locator('[role="gridcell"]').filter(
+            has_text=re.compile(r"^culprit rank 3: ")).first.wait_for(state="attached")
         _load(page, base, "stragglers", "demo-hang", ["culprit ranks: 3", "Link latency"],
               shots / "demo-stragglers.png")
         _load(page, base, "health", "demo-hang", ["Node health", "node-1"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from tracehound.tracing.events import Action, ActionKind, Incident, JobPhase, JobState
 from tracehound.tracing.ids import JobId
@@ -46,10 +47,68 @@ def test_a_hang_wavefront_the_late_and_the_failed() -> None:
     assert data.seq_window(grid) == (9, 11)
     assert {s for _, s in got} == {9, 10, 11}
     assert [got[("0-3", s)] for s in (9, 10, 11)] == ["completed", "completed", "waiting"]
-    assert [got[("4-7", s)] for s in (9, 10, 11)] == ["completed", "completed", "not entered"]
+    assert [got[("4-7 culprit", s)] for s in (9, 10, 11)] == [
+        "completed", "completed", "not entered"]
     assert [got[("8-11", s)] for s in (9, 10, 11)] == ["failed", "late", "waiting"]
     frame = data.progress_frame(grid, (5,))
-    assert set(frame.loc[frame["culprit"], "ranks"]) == {"4-7"}
+    assert set(frame.loc[frame["culprit"], "ranks"]) == {"4-7 culprit"}
+
+
+def _incident(*evidence: dict[str, object], ranks: tuple[int, ...] = (5,)) -> Incident:
+    verdict = {"kind": "hang", "group": "0", "evidence": list(evidence)}
+    return Incident(job=JobId("j"), incident_id="j/0/1", attempt=0, detected_at_us=1,
+                    kind="hang", culprit_ranks=ranks, culprit_nodes=("node-1",),
+                    confidence=0.95, summary="s", verdict_json=json.dumps(verdict))
+
+
+STOPPED = {"fact": "frozen", "rank": 5, "detail": "rank 5's process is stopped (state T)"}
+
+
+def test_the_culprits_cell_at_the_hang_shows_its_own_state_and_furthest_behind_leads_with_it(
+) -> None:
+    # the FSDP2 case: the culprit's last heartbeat is older than its records; its peers wait
+    # in #11 and report completing #10, as it does by its records
+    lag = {"fact": "lagging", "rank": 5, "group": "0", "seq": 11, "value": 1.0,
+           "detail": "rank 5 on node node-1 was not seen entering collective #11 of group 0 "
+                     "(completed #10 by its stored records; its last heartbeat, 1 "
+                     "collective(s) older, said #9); 3 rank(s) wait on it"}
+    incident = _incident(lag, STOPPED)
+    states = data.culprit_states(incident)
+    assert list(states) == [5]
+    assert states[5].status == "culprit: not entered" and states[5].seq == 11
+    assert states[5].words == ("not entered #11 (completed #10 by its stored records; its last "
+                               "heartbeat, 1 collective(s) older, said #9); its process is "
+                               "stopped")
+    grid = ProgressGrid(
+        group="0", width=4, seq_lo=9, seq_hi=10,
+        cells=(cell(0, 9), cell(0, 10), cell(4, 9), cell(4, 10), cell(8, 9), cell(8, 10)),
+        buckets=(beat(0, 10, 11), beat(4, 9, 9), beat(8, 8, 8)),
+    )
+    frame = data.progress_frame(grid, (5,), states)
+    at_hang = frame[(frame["seq"] == 11)].set_index("ranks")
+    assert at_hang.loc["4-7 culprit", "status"] == "culprit: not entered"
+    assert at_hang.loc["4-7 culprit", "state"].startswith("rank 5: not entered #11")
+    assert at_hang.loc["0-3", "status"] == "waiting" and at_hang.loc["0-3", "state"] == ""
+    # ranks 8-11 completed less by their heartbeats, but the evidence puts the culprit first
+    behind = data.behind_frame(grid, culprits=(5,), states=states)
+    assert list(behind["ranks"]) == ["4-7", "8-11", "0-3"]
+    assert behind["evidence"].iloc[0].startswith("culprit rank 5: not entered #11")
+    assert list(behind["evidence"].iloc[1:]) == ["", ""]
+    # the state of another group's collective is not put in this group's cells
+    other = data.progress_frame(replace(grid, group="1"), (5,), states)
+    assert "culprit: not entered" not in set(other["status"])
+
+
+def test_a_culprit_frozen_inside_the_collective_is_frozen_there_one_alive_pending() -> None:
+    inside = {"fact": "lagging", "rank": 5, "group": "0", "seq": 11, "value": 0.0,
+              "detail": "rank 5 on node node-1 entered collective #11 of group 0 and froze "
+                        "there; 3 rank(s) wait on it"}
+    assert data.culprit_states(_incident(inside, STOPPED))[5].status == "culprit: frozen"
+    assert data.culprit_states(_incident(inside))[5].status == "culprit: pending"
+    blocked = {**inside, "detail": "2 other rank(s) of group 0 (e.g. rank 5 on node node-1) "
+                                   "have not entered #11 either"}
+    assert data.culprit_states(_incident(blocked)) == {}
+    assert data.culprit_states(None) == {}
 
 
 def test_cells_without_rows_come_from_heartbeats_or_are_unknown() -> None:
