@@ -14,17 +14,23 @@ def open_store(url: str | None = None, *, create: bool = True, read_only: bool =
     (unless not `create`). `read_only` (a server store only): the server refuses every write
     from it (the dashboard's store).
 
-    Raises StoreConfigError for a malformed URL and TemporaryStoreError for a server that does not
-    answer, both naming the URL."""
+    An embedded store (chdb://) whose directory another process of this machine holds and
+    shares is opened through that process (`store.sharing`): the same port, every call a
+    request to it.
+
+    Raises StoreConfigError for a malformed URL (or an embedded directory another process holds
+    without sharing it) and TemporaryStoreError for a server or a holder that does not answer,
+    all naming the URL."""
     url = url or default_store_url()
     if url.startswith("clickhouse://"):
         from tracehound.tracing.store.server import ClickHouseServerStore
 
         store: TraceStore = ClickHouseServerStore(url, read_only=read_only)
     elif url.startswith("chdb://"):
-        from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
+        from tracehound.tracing.store.sharing import open_embedded
 
-        store = EmbeddedClickHouseStore(url)
+        # opened here, or a client of the process of this machine that holds the directory
+        store = open_embedded(url)
     else:
         shown = mask_url(url)
         scheme = repr(shown.split("://", 1)[0]) if "://" in shown else "(no scheme://)"
