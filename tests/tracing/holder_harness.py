@@ -3,9 +3,11 @@ that read and write a store through another process (`store.client`).
 
 Run as a script it takes one command a line on stdin and answers one line on stdout:
 
-    open chdb:///dir    opens the directory itself, shares it     -> "shared http://..."
-    close               stops sharing it and closes it             -> "closed"
-    (end of input)      closes what it holds and exits
+    open chdb:///dir          opens the directory itself, shares it     -> "shared http://..."
+    open-bare chdb:///dir     the same without making the schema         -> "shared http://..."
+    open-unshared chdb:///dir opens it and shares it with nobody         -> "held"
+    close                     stops sharing it and closes it             -> "closed"
+    (end of input)            closes what it holds and exits
 
 `StoreHolder` drives one such process from a test session: a store per test costs an open and
 a close in it (chdb lets a process hold one directory at a time, and another after closing it),
@@ -55,11 +57,13 @@ class StoreHolder:
         assert not answer.startswith("error"), answer
         return answer
 
-    def hold(self, url: str) -> str:
-        """Open and share the store of `url` in the holder; its endpoint's address."""
-        answer = self._ask(f"open {url}")
+    def hold(self, url: str, *, create: bool = True, share: bool = True) -> str:
+        """Open the store of `url` in the holder (making its schema unless not `create`) and
+        share it (unless not `share`); its endpoint's address ("" when not shared)."""
+        command = "open" if share and create else "open-bare" if share else "open-unshared"
+        answer = self._ask(f"{command} {url}")
         self.holding = url
-        return answer.removeprefix("shared ")
+        return answer.removeprefix("shared ").removeprefix("held")
 
     def release(self) -> None:
         """Stop sharing the store and close it."""
@@ -81,11 +85,15 @@ def _serve() -> None:
     for line in sys.stdin:
         command, _, argument = line.strip().partition(" ")
         try:
-            if command == "open" and held is None:
-                store = open_store(argument)
+            if command in ("open", "open-bare", "open-unshared") and held is None:
+                store = open_store(argument, create=command != "open-bare")
                 if not isinstance(store, EmbeddedClickHouseStore):
                     raise RuntimeError(f"{argument} is held by another process")
                 sharing = Sharing(store)
+                if command == "open-unshared":
+                    held = (store, sharing)
+                    print("held", flush=True)
+                    continue
                 endpoint = sharing.start()
                 assert endpoint is not None
                 held = (store, sharing)

@@ -159,9 +159,10 @@ class SharedStoreClient:
                 f"(${TRACEHOUND_STORE_CALL_TIMEOUT_S}); {_holder_state(endpoint)}; a write may "
                 "still land there") from exc
         except (http.client.HTTPException, OSError) as exc:
+            gone = "" if sharing.pid_alive(endpoint.pid) else f"; pid {endpoint.pid} is gone"
             raise TemporaryStoreError(
                 f"{context}: the connection broke during {method} ({type(exc).__name__}: "
-                f"{exc}); {_holder_state(endpoint)}; a write may or may not have landed") from exc
+                f"{exc}){gone}; a write may or may not have landed") from exc
         finally:
             connection.close()
 

@@ -212,13 +212,21 @@ def holder_pid(path: str, *, locks: str = "/proc/locks") -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie, dead but not yet reaped by
+    its parent, has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # someone else's process
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            # "pid (comm) state ...": comm may hold spaces and parentheses
+            state = stat_file.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 # --- the holder's side -------------------------------------------------------------------------
