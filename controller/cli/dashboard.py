@@ -31,7 +31,7 @@ examples:
 views: jobs, incident, progress (ranks x sequence ids), stragglers (lateness, link matrix),
 health (GPU and host metrics, events). An embedded store (chdb://) that a running job holds is
 read through the job's `tracehound run` (or `tracehound run --ui` starts the dashboard beside
-the job).
+the job); a ClickHouse server (clickhouse://) is read directly by any number of dashboards.
 """
 
 
