@@ -1,4 +1,4 @@
-"""Makes the helper modules beside these tests importable (`summary_data`, `holder_harness`); the
+"""Makes the helper modules beside these tests importable (`summary_data`); the
 suite runs with `--import-mode=importlib`, which puts no test directory on sys.path.
 
 The store tests here run against one more adapter than elsewhere: `shared`, the client of an
