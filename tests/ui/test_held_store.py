@@ -1,6 +1,7 @@
 """The dashboard on an embedded store that another real process holds (as a running `tracehound
-run` does): it reads through that process; when the holder ends, the next run of the page opens
-the directory itself and shares it in turn; closing the dashboard's store stops that."""
+run` does): it reads through that process, and never writes; when the holder ends, the next run
+of the page opens the directory itself and shares it in turn; closing the dashboard's store
+stops that."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from holder_harness import StoreHolder
 from ui_harness import app, texts
 
+from tracehound.tracing.errors import PermanentStoreError
 from tracehound.tracing.events import JobPhase, JobState
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
@@ -35,8 +37,12 @@ def test_the_dashboard_reads_a_held_store_then_holds_it_when_the_holder_ends(
                                          state=JobPhase.RUNNING, attempt=0, nodes=("node-0",)))
 
         at = app(url, "jobs", monkeypatch)
-        assert isinstance(shared_store(url).store, SharedStoreClient)
+        dashboards = shared_store(url).store
+        assert isinstance(dashboards, SharedStoreClient)
         assert any(JOB in str(df.value.to_dict()) for df in at.dataframe)
+        with pytest.raises(PermanentStoreError, match="read-only and refuses record_state"):
+            dashboards.record_state(JobState(job=JOB, time_us=1, seq=2, state=JobPhase.FAILED,
+                                             attempt=0))
 
         holder.release()  # the run that held the store ended
         at.run()

@@ -69,13 +69,18 @@ from tracehound.tracing.summaries import (
 HELLO_TIMEOUT_S = 10.0
 """The longest wait for the holder's first answer when the store is opened."""
 
+WRITES = frozenset({"ensure_schema", "insert", "insert_columns", "record_incident",
+                    "record_action", "record_state", "drop_days_before"})
+"""The calls that change the store: refused by a client opened read-only (the dashboard's)."""
+
 
 class SharedStoreClient:
     """A TraceStore (and BulkStore) whose directory another process of this machine holds."""
 
     def __init__(self, url: str, endpoint: sharing.Endpoint, *,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, read_only: bool = False) -> None:
         self._url = url
+        self._read_only = read_only
         self._path = embedded_path(url)
         self._endpoint = endpoint
         self._timeout_s = timeout_s if timeout_s is not None else env_float(
@@ -85,11 +90,13 @@ class SharedStoreClient:
         self._closed = False
 
     @classmethod
-    def connect(cls, url: str, endpoint: sharing.Endpoint, *,
-                timeout_s: float | None = None) -> SharedStoreClient:
+    def connect(cls, url: str, endpoint: sharing.Endpoint, *, timeout_s: float | None = None,
+                read_only: bool = False) -> SharedStoreClient:
         """A client of the holder `endpoint` names, once it answered for the directory of
-        `url` in the protocol this one speaks (StoreConfigError otherwise)."""
-        client = cls(url, endpoint, timeout_s=timeout_s)
+        `url` in the protocol this one speaks (StoreConfigError otherwise). A `read_only`
+        client refuses every call that would change the store (PermanentStoreError), as the
+        server refuses a read-only server store's."""
+        client = cls(url, endpoint, timeout_s=timeout_s, read_only=read_only)
         client.hello()
         return client
 
@@ -182,6 +189,9 @@ class SharedStoreClient:
     def _call(self, method: str, *, result: Any = None, **args: Any) -> Any:
         if self._closed:
             raise PermanentStoreError(f"embedded store {self._url}: this client is closed")
+        if self._read_only and method in WRITES:
+            raise PermanentStoreError(f"embedded store {self._url}: this client was opened "
+                                      f"read-only and refuses {method}")
         found = calls.call(method)
         try:
             body = calls.encode(found.args(**args))

@@ -11,8 +11,9 @@ from tracehound.tracing.store.urls import default_store_url, mask_url
 def open_store(url: str | None = None, *, create: bool = True, read_only: bool = False
                ) -> TraceStore:
     """Open the store a URL names (the embedded default when None) and make sure its schema exists
-    (unless not `create`). `read_only` (a server store only): the server refuses every write
-    from it (the dashboard's store).
+    (unless not `create`). `read_only`: the server refuses every write from a server store, and
+    a client of an embedded store another process holds refuses them itself (the dashboard's
+    store); an embedded store this process opens itself ignores it.
 
     An embedded store (chdb://) whose directory another process of this machine holds and
     shares is opened through that process (`store.sharing`): the same port, every call a
@@ -30,7 +31,7 @@ def open_store(url: str | None = None, *, create: bool = True, read_only: bool =
         from tracehound.tracing.store.sharing import open_embedded
 
         # opened here, or a client of the process of this machine that holds the directory
-        store = open_embedded(url)
+        store = open_embedded(url, read_only=read_only)
     else:
         shown = mask_url(url)
         scheme = repr(shown.split("://", 1)[0]) if "://" in shown else "(no scheme://)"

@@ -346,12 +346,13 @@ class Sharing:
 # --- the other processes' side -----------------------------------------------------------------
 
 
-def open_embedded(url: str, *, wait_s: float = HOLDER_WAIT_S,
+def open_embedded(url: str, *, read_only: bool = False, wait_s: float = HOLDER_WAIT_S,
                   clock: Callable[[], float] = time.monotonic,
                   sleep: Callable[[float], None] = time.sleep) -> TraceStore:
     """The embedded store of `url`: opened here when no other process holds its directory, else
-    a client of the process that does (see the module docstring). StoreConfigError when another
-    process holds it and shares it with nobody, or its endpoint refuses the token;
+    a client of the process that does (see the module docstring; `read_only`: a client that
+    refuses every write, while a directory opened here can be written). StoreConfigError when
+    another process holds it and shares it with nobody, or its endpoint refuses the token;
     TemporaryStoreError when the holder does not answer."""
     from tracehound.tracing.store.client import SharedStoreClient
     from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
@@ -373,7 +374,7 @@ def open_embedded(url: str, *, wait_s: float = HOLDER_WAIT_S,
         else:
             endpoint = read_endpoint(path)
             if endpoint is not None and endpoint.pid == held_by:
-                return SharedStoreClient.connect(url, endpoint)
+                return SharedStoreClient.connect(url, endpoint, read_only=read_only)
         if clock() >= deadline:
             raise StoreConfigError(_not_shared(path, held_by, endpoint, wait_s))
         sleep(POLL_S)
