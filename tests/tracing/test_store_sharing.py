@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +176,21 @@ def test_a_holder_that_shares_nothing_is_waited_for_then_named(holder: StoreHold
                       sleep=lambda _s: None)
     assert f"names pid {os.getpid()}, which does not hold it: stale, not trusted" in str(
         caught.value)
+
+    # A file naming the holder, but nothing answers at its address: looked at again, then said.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    write_endpoint(directory, Endpoint(version=1, url=nobody, token="x" * 32, pid=holder.pid,
+                                       store=directory, started_us=1))
+    ticks = itertools.count()
+    looks: list[float] = []
+    with pytest.raises(TemporaryStoreError) as refused:
+        open_embedded(f"chdb://{directory}", wait_s=1.0, clock=lambda: next(ticks) * 0.5,
+                      sleep=looks.append)
+    assert f"(held by pid {holder.pid}, shared at {nobody})" in str(refused.value)
+    assert "nothing answers there (connection refused)" in str(refused.value)
+    assert looks
 
 
 def _connected_to(port: int) -> bool:

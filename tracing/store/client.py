@@ -149,7 +149,7 @@ class SharedStoreClient:
             try:
                 connection.connect()
             except ConnectionRefusedError as exc:
-                raise _Refused(f"{context}: nothing answers there (connection refused); "
+                raise HolderRefused(f"{context}: nothing answers there (connection refused); "
                                f"{_holder_state(endpoint)}") from exc
             connection.request("POST", STORE_PATH + method, body=body, headers={
                 AUTH_HEADER: f"Bearer {endpoint.token}",
@@ -158,7 +158,7 @@ class SharedStoreClient:
             })
             answer = connection.getresponse()
             return answer.status, answer.read()
-        except _Refused:
+        except HolderRefused:
             raise
         except TimeoutError as exc:
             raise TemporaryStoreError(
@@ -200,7 +200,7 @@ class SharedStoreClient:
         endpoint = self._endpoint
         try:
             status, answer = self._post(endpoint, method, body, self._timeout_s)
-        except _Refused:
+        except HolderRefused:
             # never sent: safe to send again if another process holds and shares it now
             endpoint = self._new_holder(endpoint)
             status, answer = self._post(endpoint, method, body, self._timeout_s)
@@ -386,8 +386,9 @@ class SharedStoreClient:
         self.close()
 
 
-class _Refused(TemporaryStoreError):
-    """The holder's endpoint refused the connection: the call was never sent."""
+class HolderRefused(TemporaryStoreError):
+    """Nothing answers at the holder's endpoint (the connection was refused): the call was never
+    sent."""
 
 
 def _holder_state(endpoint: sharing.Endpoint) -> str:

@@ -14,7 +14,9 @@ the token, and removed when the holder stops sharing. `open_store` on a chdb URL
 - opens the directory itself when no process holds it; a file a dead holder left behind (its pid
   is gone, or holds no lock on the directory) is stale: it is not trusted, and removed;
 - returns a client (`store.client`) when the process that holds the directory's lock is the one
-  the file names and its endpoint answers, with the token, for this directory;
+  the file names and its endpoint answers, with the token, for this directory; when nothing
+  answers there, it looks again until HOLDER_WAIT_S is over (the holder may be letting go), then
+  raises the TemporaryStoreError that says so;
 - waits up to HOLDER_WAIT_S for a holder that has not published a file (one that is starting to
   share, or a short command that reads the store and lets go), then fails with a
   StoreConfigError naming its pid.
@@ -354,7 +356,7 @@ def open_embedded(url: str, *, read_only: bool = False, wait_s: float = HOLDER_W
     refuses every write, while a directory opened here can be written). StoreConfigError when
     another process holds it and shares it with nobody, or its endpoint refuses the token;
     TemporaryStoreError when the holder does not answer."""
-    from tracehound.tracing.store.client import SharedStoreClient
+    from tracehound.tracing.store.client import HolderRefused, SharedStoreClient
     from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
 
     path = embedded_path(url)
@@ -362,6 +364,7 @@ def open_embedded(url: str, *, read_only: bool = False, wait_s: float = HOLDER_W
     while True:
         held_by = holder_pid(path)
         endpoint = None
+        refused: HolderRefused | None = None
         if held_by is None:
             try:
                 store = EmbeddedClickHouseStore(url)
@@ -374,8 +377,13 @@ def open_embedded(url: str, *, read_only: bool = False, wait_s: float = HOLDER_W
         else:
             endpoint = read_endpoint(path)
             if endpoint is not None and endpoint.pid == held_by:
-                return SharedStoreClient.connect(url, endpoint, read_only=read_only)
+                try:
+                    return SharedStoreClient.connect(url, endpoint, read_only=read_only)
+                except HolderRefused as exc:  # stopping to share it, about to let go?
+                    refused = exc
         if clock() >= deadline:
+            if refused is not None:
+                raise refused
             raise StoreConfigError(_not_shared(path, held_by, endpoint, wait_s))
         sleep(POLL_S)
 
