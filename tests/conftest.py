@@ -32,17 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import clickhou
 
 from clickhouse_harness import TEST_CLUSTER, start_server
 from demo_harness import DemoRun, run_demo
+from store_urls import (
+    STORE_ADAPTERS,
+    drop_server_store,
+    store_url_of,
+    with_database,
+)
 
 from tracehound.tracing.store import TraceStore, open_store
 
 CLICKHOUSE_URL_ENV = "TRACEHOUND_TEST_CLICKHOUSE_URL"
-
-CLUSTER_MARKS = (pytest.mark.clickhouse_server, pytest.mark.clickhouse_cluster,
-                 pytest.mark.xdist_group("clickhouse-cluster"))
-"""The marks of every test of the store's cluster mode: they share the test server's shard
-databases, so they all go to one xdist worker, one after the other (`--dist loadgroup`), and the
-serial lane leaves them to the parallel one (`clickhouse_cluster`)."""
-
 
 SHARED_RUNS = ("demo_hang", "demo_crash", "demo_store")
 """Session fixtures holding a real demo run: the tests that read one go to one xdist worker of
@@ -144,21 +143,6 @@ def clickhouse_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
-def _with_database(url: str, database: str) -> str:
-    return urlsplit(url)._replace(path=f"/{database}").geturl()
-
-
-def drop_server_store(url: str) -> None:
-    """Drop a server store's database (and, in cluster mode, every shard's local tables)."""
-    from tracehound.tracing.store.server import ClickHouseServerStore
-
-    cleanup = ClickHouseServerStore(url)
-    try:
-        cleanup.drop_database()
-    finally:
-        cleanup.close()
-
-
 @pytest.fixture(scope="session")
 def test_cluster(clickhouse_url: str) -> str:
     """The name of the test server's own two-shard cluster; skips when a server given by
@@ -181,39 +165,10 @@ def test_cluster(clickhouse_url: str) -> str:
     return TEST_CLUSTER
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("server", marks=pytest.mark.clickhouse_server, id="server"),
-        pytest.param("cluster", marks=CLUSTER_MARKS, id="cluster"),
-        pytest.param("embedded", id="embedded"),
-    ]
-)
+@pytest.fixture(params=STORE_ADAPTERS)
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A fresh, empty store URL per test, once for each adapter.
-
-    - server: the session's ClickHouse server with a new database `tracehound_t<random>`,
-      dropped after the test.
-    - cluster: the same in cluster mode over the server's own two-shard cluster
-      (`cluster_url`); skipped when a server given by URL does not define that cluster.
-    - embedded: `chdb://<tmp_path>/chdb`, a new directory per test.
-
-    chdb lets one process hold only ONE data directory at a time ("EmbeddedServer already
-    initialized with path ..."), but once every store on it is closed the same process can open
-    another directory (checked with chdb 4.4: open a, close, open b, close, reopen a all work;
-    ~0.1 s per open + schema). So embedded tests run in the pytest process with a fresh
-    directory each, and every test must close its embedded store before the next one opens:
-    use the `store` fixture, or `with open_store(url) as store` / `store.close()`.
-    """
-    if request.param == "embedded":
-        yield f"chdb://{tmp_path / 'chdb'}"
-        return
-    if request.param == "cluster":
-        yield request.getfixturevalue("cluster_url")
-        return
-    server_url: str = request.getfixturevalue("clickhouse_url")
-    url = _with_database(server_url, f"tracehound_t{uuid.uuid4().hex[:12]}")
-    yield url
-    drop_server_store(url)
+    """A fresh, empty store URL per test, once for each adapter (`store_url_of`)."""
+    yield from store_url_of(request.param, request, tmp_path)
 
 
 @pytest.fixture
@@ -224,7 +179,7 @@ def cluster_url(clickhouse_url: str, test_cluster: str) -> Iterator[str]:
     cluster-mode store on the server shares, so they are dropped before the test (leftovers of
     an interrupted run) and after it, with the store's database."""
     database = f"tracehound_t{uuid.uuid4().hex[:12]}"
-    url = urlsplit(_with_database(clickhouse_url, database))._replace(
+    url = urlsplit(with_database(clickhouse_url, database))._replace(
         query=f"cluster={test_cluster}&ddl=per_shard").geturl()
     drop_server_store(url)
     yield url
@@ -258,5 +213,5 @@ def demo_crash(tmp_path_factory: pytest.TempPathFactory, clickhouse_url: str) ->
     """Rank 1 killed with SIGKILL, on the ClickHouse server: read by the demo's own checks and
     by export/load."""
     base = tmp_path_factory.mktemp("demo-crash")
-    store = _with_database(clickhouse_url, f"tracehound_demo{uuid.uuid4().hex[:10]}")
+    store = with_database(clickhouse_url, f"tracehound_demo{uuid.uuid4().hex[:10]}")
     return run_demo(store, "demo-crash", base / "work", "--fault", "crash", "--rank", "1")

@@ -129,6 +129,17 @@ TRACEHOUND_INGEST_TOKEN = "TRACEHOUND_INGEST_TOKEN"  # noqa: S105 - the variable
 that listens on an address other than loopback; unset: an endpoint on loopback takes any local
 caller."""
 
+TRACEHOUND_STORE_CALL_TIMEOUT_S = "TRACEHOUND_STORE_CALL_TIMEOUT_S"
+"""Seconds a process waits for the answer to one call on an embedded store that another process
+of this machine holds and shares (`tracing.store.sharing`) before it gives up with a
+TemporaryStoreError (default DEFAULT_STORE_CALL_TIMEOUT_S, at least MIN_STORE_CALL_TIMEOUT_S)."""
+
+DEFAULT_STORE_CALL_TIMEOUT_S = 120.0
+"""Longer than the dashboard's heaviest summary query of a large job takes; a holder that is
+stopped (SIGSTOP) or wedged is reported after this long instead of waited on forever."""
+
+MIN_STORE_CALL_TIMEOUT_S = 0.1
+
 TRACEHOUND_SPOOL_DIR = "TRACEHOUND_SPOOL_DIR"
 """Directory where a node agent keeps records until the store has them. The node agent's
 --spool, when that is not given."""

@@ -16,7 +16,7 @@ import streamlit as st
 
 from tracehound.tracing.errors import StoreError
 from tracehound.ui import views
-from tracehound.ui.store import shared_store
+from tracehound.ui.store import reopen_after, shared_store
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -42,6 +42,7 @@ def main() -> None:
     except StoreError as exc:  # the server went away, refused the login, ...: say so, plainly
         st.error("The trace store cannot be read now; the page tries again when reloaded.")
         st.text(f"{opened.store.url}: {exc}")
+        reopen_after(exc)  # the process that held it may have ended
 
 
 main()

@@ -28,8 +28,13 @@ script that runs under torchrun runs here unchanged. The recorder is installed i
 automatically. Scripts that call tracehound.agent.checkpoint.save/load resume from the latest
 complete checkpoint after a restart.
 
+With --ui the dashboard is served beside the job (http://127.0.0.1:8501 unless --ui-port says
+otherwise) and stopped when the run ends; it reads the job's store through this process, which
+holds it.
+
 example:
   tracehound run --nnodes 2 --nproc-per-node 2 --spare-nodes 1 --job-id exp7 train.py --lr 0.1
+  tracehound run --ui --nnodes 2 --nproc-per-node 2 --job-id exp8 train.py
 """
 
 
@@ -71,6 +76,11 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--timeout", type=float, default=None, metavar="S",
                      help="give up after S seconds (default: never)")
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    run.add_argument("--ui", action="store_true",
+                     help="serve the dashboard beside the job on 127.0.0.1 while it runs (its "
+                          "address is printed; its log goes to WORKDIR/JOB/dashboard.log)")
+    run.add_argument("--ui-port", type=int, default=8501, metavar="P",
+                     help="the dashboard's port with --ui (default: 8501)")
     store_arg(run)
     run.add_argument("script", help="training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -103,6 +113,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     settings = supervisor_settings(args, timeout_s=args.timeout)
     workdir = args.workdir / args.job_id
+    if args.ui:
+        from tracehound.controller.cli.dashboard import check_port
+
+        check_port(args.ui_port, "127.0.0.1", "--ui-port")  # before anything is launched
     dispatcher = None
     files = [(f"${TRACEHOUND_ALERTS} ({os.environ[TRACEHOUND_ALERTS]})",
               Path(os.environ[TRACEHOUND_ALERTS]))] if os.environ.get(TRACEHOUND_ALERTS) else []
@@ -126,6 +140,14 @@ def _run(args: argparse.Namespace) -> int:
             stack.callback(recorder.stop, 10.0)
             dispatcher.start()
             stack.callback(dispatcher.stop, 10.0)
+        if args.ui:
+            from tracehound.controller.cli.dashboard import Dashboard
+
+            # stopped first when the run ends or is interrupted, while the store is still held
+            dashboard = Dashboard(session.url, port=args.ui_port,
+                                  log=workdir / "dashboard.log").start()
+            stack.callback(dashboard.stop)
+            print(f"dashboard: {dashboard.address_url}", file=sys.stderr, flush=True)
         orch = LocalOrchestrator(
             workdir=workdir, sink=session.sink, warm_spares=args.warm_spares,
             preload=tuple(m for m in args.preload.split(",") if m),

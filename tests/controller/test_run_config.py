@@ -1,9 +1,11 @@
 """`tracehound run --policy FILE --alerts FILE`: a bad file stops the run before anything starts,
-with a message naming the file and the field; `tracehound policy` checks a file on its own."""
+with a message naming the file and the field; `tracehound policy` checks a file on its own. A
+dashboard port that cannot be served (`--ui --ui-port`) stops it as early."""
 
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,17 @@ def test_a_bad_global_alerts_file_is_refused_naming_the_variable_and_field(
     err = capsys.readouterr().err
     assert f"{global_file}: receivers[0].jobs: expected a list" in err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_dashboard_port_that_cannot_be_served_stops_the_run_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_run(tmp_path, "--ui", "--ui-port", "70000")) == 2
+    assert "--ui-port 70000: expected a port number from 1 to 65535" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(_run(tmp_path, "--ui", "--ui-port", str(port))) == 2
+    err = capsys.readouterr().err
+    assert f"--ui-port {port}: cannot serve on 127.0.0.1:{port} (Address already in use)" in err
+    assert not (tmp_path / "w").exists() and not (tmp_path / "store").exists()

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Annotated, ClassVar
 
 import pytest
+from holder_harness import is_shared
 
 from tracehound.tracing import kinds, wire
 from tracehound.tracing.events import Batch
@@ -81,10 +82,18 @@ def test_a_declared_kind_has_its_table_and_column_batches(probe: type[Probe]) ->
 
 
 def test_a_declared_kind_round_trips_through_a_real_store(
-    probe: type[Probe], store_url: str
+    probe: type[Probe], store_url: str, request: pytest.FixtureRequest
 ) -> None:
     with open_store(store_url) as store:
         records = (sample(1), sample(2, level=-3))
+        if is_shared(request):
+            # the kind is declared in this process only: the holder cannot store it, and says so
+            with pytest.raises(TypeError, match="no record kind 'probe_test_only' is "
+                                                "declared in the process that holds the "
+                                                "store"):
+                store.insert(Batch(batch_id="p1", records=records))  # type: ignore[arg-type]
+            assert "pj" not in store.jobs()
+            return
         report = store.insert(Batch(batch_id="p1", records=records))  # type: ignore[arg-type]
         assert report.inserted == 2
         again = store.insert(Batch(batch_id="p1", records=records),  # type: ignore[arg-type]

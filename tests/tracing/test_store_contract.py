@@ -1,4 +1,5 @@
-"""The TraceStore contract, run against every adapter: a real ClickHouse server and chdb."""
+"""The TraceStore contract, run against every adapter: a real ClickHouse server (also in cluster
+mode), chdb, and the client of a chdb store another process holds and shares."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tracehound.tracing.events import (
     Record,
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
-from tracehound.tracing.store import CollectiveKey, InsertReport, TraceStore, open_store
+from tracehound.tracing.store import CollectiveKey, InsertReport, TraceStore, bulk, open_store
 from tracehound.tracing.store.engine import SqlTraceStore
 
 JOB = JobId("job-a")
@@ -100,7 +101,10 @@ def test_a_store_made_before_new_fields_gets_their_columns(store: TraceStore) ->
     """A store created by an older version lacks the columns of fields declared since (here
     the pending size and dtype of heartbeats): ensure_schema adds them, and what was stored
     before reads back with the fields' defaults."""
-    assert isinstance(store, SqlTraceStore)
+    if not isinstance(store, SqlTraceStore):
+        pytest.skip("the old schema is made by dropping columns through the adapter's own SQL; "
+                    "a client of a shared store has none (its holder is the embedded adapter, "
+                    "tested here)")
     old = heartbeat(rank=0, step=3, time_us=1_700_000_000_500_000)
     store.insert(Batch(batch_id="before", records=(old,)))
     for column in ("group_pending_nbytes", "group_pending_dtype", "group_oldest_seq",
@@ -141,8 +145,7 @@ def test_every_record_type_round_trips(store: TraceStore) -> None:
     assert report == InsertReport(inserted=len(batch.records), skipped=0)
 
     wanted = [r for r in batch.records if isinstance(r, CollectiveEvent)]
-    assert isinstance(store, SqlTraceStore)
-    stored = store.collectives(JOB, 0)
+    stored = bulk(store).collectives(JOB, 0)
     assert sorted(stored, key=repr) == sorted(wanted, key=repr)
 
     heartbeats = [r for r in batch.records if isinstance(r, Heartbeat)]

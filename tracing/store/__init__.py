@@ -1,5 +1,6 @@
 """Where traces are kept: the store ports, URLs, the ClickHouse schema and SQL, the server and
-embedded adapters, and the ingest endpoint of an embedded store.
+embedded adapters, the ingest endpoint of an embedded store, and the sharing of an embedded store
+with the other processes of its machine (the client adapter and the calls it sends).
 
 Open a store with `open_store(url)`; read and write through the `TraceStore` port; tools and
 tests reach the bulk paths through `bulk(store)`. Adapters load their client libraries only when

@@ -5,8 +5,10 @@ that directory, with the same schema and SQL as on a server.
 
 Two limits of chdb shape this adapter:
 - only ONE process may open a directory (ClickHouse locks `<dir>/status`): opening a directory
-  another process holds raises StoreConfigError saying so, and node agents ship their batches to
-  the owning process's ingest endpoint (`tracing.ingest`) instead;
+  another process holds raises StoreConfigError saying so. `open_store` does not come here then:
+  it goes through the holder, which shares the store with the other processes of the machine
+  (`store.sharing`), and node agents ship their batches to the holder's ingest endpoint
+  (`store.ingest`);
 - one process holds at most one directory at a time: a second store on another directory fails
   (StoreConfigError) until the first is closed; after `close()` another directory can be opened.
 
@@ -74,7 +76,7 @@ def _arrow_type(clickhouse_type: str) -> Any:
     return types[clickhouse_type]
 
 
-def _lock_holder(path: str) -> str | None:
+def lock_holder(path: str) -> str | None:
     """What holds the ClickHouse lock on `path` from another process ("pid N" or "another
     process"), or None if it is free or held by this process (chdb lets one process open its
     own directory again)."""
@@ -128,7 +130,7 @@ class EmbeddedClickHouseStore(SqlTraceStore):
             ) from exc
         from chdb import session
 
-        holder = _lock_holder(path)
+        holder = lock_holder(path)
         if holder is not None:
             raise StoreConfigError(self._held_message(holder))
         try:
@@ -152,7 +154,7 @@ class EmbeddedClickHouseStore(SqlTraceStore):
                 f"embedded store {self.path}: this process already has another chdb directory "
                 f"open and can hold only one at a time; close that store first ({text})"
             )
-        holder = _lock_holder(self.path)
+        holder = lock_holder(self.path)
         if holder is not None:
             return StoreConfigError(self._held_message(holder))
         return StoreConfigError(f"embedded store {self.path} cannot be opened: {text}")

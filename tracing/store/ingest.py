@@ -12,13 +12,18 @@ controller) runs an `IngestServer` and node agents `post_batch` to it:
 
     401 {"error": "..."}      no or a wrong token (when the endpoint has one)
 
+    POST /v1/store/<method>                 body: a call of the TraceStore port (store.calls)
+    200 the result; 4xx/5xx the error       both MessagePack, only while the process shares
+                                            its store with the other processes of the machine
+                                            (store.sharing; 404 otherwise)
+
 Bad records inside a well-formed batch are rejected one by one (and counted in `rejected_total`),
 the good ones are stored. The server listens on 127.0.0.1 unless told otherwise. With a token
 ($TRACEHOUND_INGEST_TOKEN, or `token=`) every request must carry `Authorization: Bearer <token>`
 (compared in constant time; `post_body` sends the same variable's token); an endpoint on an
 address other than loopback refuses to start without one. It must never run store work on the
-caller's thread of `start()`/`stop()`, and never lets a request handler's exception kill the
-server.
+caller's thread of `start()`/`stop()` (requests are served on threads of its own), and never lets
+a request handler's exception kill the server.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,6 +64,16 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest batch body accepted (413 above it)."""
 AUTH_HEADER = "Authorization"
 """`Bearer <token>` on every request to an endpoint that has a token."""
+STORE_PATH = "/v1/store/"
+"""Followed by a method of the store port: the calls of a shared embedded store."""
+MAX_CALL_BYTES = 1 << 30
+"""Largest store call accepted (413 above it): a bulk insert of a million collective rows is
+about 100 MB."""
+CALL_CONTENT_TYPE = "application/msgpack"
+
+StoreCalls = Callable[[str, bytes], tuple[int, bytes, dict[str, str]]]
+"""Runs one store call (method name, body) and gives the status, body and extra headers of its
+answer (`store.sharing.CallServer`)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -136,6 +152,9 @@ class _Handler(BaseHTTPRequestHandler):
                         {"WWW-Authenticate": "Bearer"})
             return
         parts = urlsplit(self.path)
+        if parts.path.startswith(STORE_PATH):
+            self._store_call(parts.path[len(STORE_PATH):])
+            return
         if parts.path != BATCHES_PATH:
             self._discard_body()
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint {parts.path!r}; "
@@ -157,6 +176,32 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length)
         self._reply(*self.server.ingest.handle(body, maybe_duplicate=maybe_duplicate))
 
+    def _store_call(self, method: str) -> None:
+        calls = self.server.ingest.calls
+        if calls is None:
+            self._discard_body()
+            self._reply(HTTPStatus.NOT_FOUND, {"error": "this endpoint shares no store"})
+            return
+        length_text = self.headers.get("Content-Length")
+        if length_text is None or not length_text.isdigit():
+            self.close_connection = True
+            self._reply(HTTPStatus.LENGTH_REQUIRED, {"error": "Content-Length is required"})
+            return
+        if int(length_text) > MAX_CALL_BYTES:
+            self.close_connection = True
+            self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                        {"error": f"a call of {length_text} bytes exceeds {MAX_CALL_BYTES}"})
+            return
+        body = self.rfile.read(int(length_text))
+        status, answer, headers = calls(method, body)
+        self.send_response(status)
+        self.send_header("Content-Type", CALL_CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(answer)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(answer)
+
     def _discard_body(self) -> None:
         length_text = self.headers.get("Content-Length", "0")
         if length_text.isdigit() and int(length_text) <= MAX_BODY_BYTES:
@@ -167,6 +212,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 64
+    """Connections waiting to be accepted: every call of a shared store is one."""
     ingest: IngestServer
 
 
@@ -188,6 +235,8 @@ class IngestServer:
                 "on every node agent) or listen on 127.0.0.1")
         self.unauthorized_total = 0
         """Requests refused for a missing or wrong token."""
+        self.calls: StoreCalls | None = None
+        """The store calls this endpoint serves (`store.sharing`); None: batches only."""
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._counts_lock = threading.Lock()
@@ -218,6 +267,16 @@ class IngestServer:
         self._thread.start()
         logger.info("ingest endpoint listening at %s for %s", self.url, self.store.url)
         return self
+
+    @property
+    def token(self) -> str:
+        """The token every request must carry ("" when the endpoint takes any local caller)."""
+        return self._token.decode()
+
+    @property
+    def host(self) -> str:
+        """The address the endpoint listens on."""
+        return self._address[0]
 
     def authorized(self, header: str | None) -> bool:
         """Whether a request with this `Authorization` header may post (always, without a

@@ -11,7 +11,9 @@ Two adapters implement both, chosen by URL (`store.factory.open_store`):
   (`store.server`); every node agent can write to it directly.
 - `chdb:///path/to/dir`: ClickHouse embedded in this process (`store.embedded`), the zero-setup
   default on one machine. Only one process may open a path, so node agents ship their batches to
-  the process that owns it (`store.ingest`) instead.
+  the process that owns it (`store.ingest`) instead, and the other processes of the machine
+  reach the store through that process too (`store.sharing`, `store.client`: the same port, its
+  calls as requests).
 """
 
 from __future__ import annotations
