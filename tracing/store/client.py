@@ -311,6 +311,13 @@ class SharedStoreClient:
                                            top=top)
         return found
 
+    def recorded_reach(self, job: JobId, attempt: int, group: str, ranks: Sequence[int], *,
+                       from_seq: int, until_us: int) -> dict[int, int]:
+        found: dict[int, int] = self._call("recorded_reach", job=job, attempt=attempt,
+                                           group=group, ranks=list(ranks), from_seq=from_seq,
+                                           until_us=until_us)
+        return found
+
     def latest_stacks(self, job: JobId, attempt: int, since_us: int) -> list[StackSample]:
         found: list[StackSample] = self._call("latest_stacks", job=job, attempt=attempt,
                                               since_us=since_us)
