@@ -26,6 +26,7 @@ fi
 server_pid=""
 parallel_pid=""
 e2e_pid=""
+slurm_pid=""
 # The ClickHouse server's data and the tests' temporary files go to memory where there is room
 # (/dev/shm): all of it is thrown away at the end, and on this machine's disk the kernel's work of
 # creating files (a ClickHouse part is dozens of them) was most of the server's CPU: a
@@ -36,7 +37,7 @@ if [[ -d /dev/shm && -w /dev/shm ]] && (( $(df -Pk /dev/shm | awk 'NR == 2 {prin
 fi
 workdir=$(mktemp -d "$scratch/th-test-XXXXXX")
 cleanup() {
-    for lane in "$parallel_pid" "$e2e_pid"; do
+    for lane in "$parallel_pid" "$e2e_pid" "$slurm_pid"; do
         if [[ -n "$lane" ]]; then pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; fi
     done
     if [[ -n "$server_pid" ]]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
@@ -82,17 +83,21 @@ if [[ -z "${TRACEHOUND_TEST_CLICKHOUSE_URL:-}" ]]; then
     echo "   $TRACEHOUND_TEST_CLICKHOUSE_URL"
 fi
 
-# Two lanes at once:
+# Three lanes at once:
 #   lane 1: the tests not marked e2e, in parallel (pytest-xdist, 2 workers); then, one at a
 #           time, the e2e tests of tests/agent and tests/reliability
 #   lane 2: the other e2e tests (tests/controller, tests/ui, ...: the real jobs under
 #           `tracehound run` and the demo, whose runs the dashboard's tests share), one at a
 #           time, at a lower priority
-# Every e2e test is in exactly one lane (lane 2 ignores the paths lane 1 takes).
+#   lane 3: the jobs on the real Slurm cluster (tests/slurm: two slurmd nodes of this machine),
+#           one at a time, at a lower priority; they wait on Slurm (a requeued job is held
+#           ~11 s) more than they compute
+# Every e2e test is in exactly one lane (lane 2 ignores the paths lanes 1 and 3 take).
 LANE1_E2E=(tests/agent tests/reliability tests/controller/test_run_rhythm.py)
-echo "== pytest, two lanes at once: the tests not marked e2e in parallel (pytest-xdist), then the"
-echo "   e2e tests of ${LANE1_E2E[*]} one at a time; beside them, the other e2e tests (real"
-echo "   training jobs and servers) one at a time, at a lower priority"
+LANE3_E2E=(tests/slurm)
+echo "== pytest, three lanes at once: the tests not marked e2e in parallel (pytest-xdist), then"
+echo "   the e2e tests of ${LANE1_E2E[*]} one at a time; beside them, the other e2e tests (real"
+echo "   training jobs and servers) one at a time, and the Slurm cluster's, at a lower priority"
 started=$(date +%s)
 # shellcheck disable=SC2086
 (
@@ -107,21 +112,29 @@ started=$(date +%s)
 ) > "$workdir/lane-parallel.log" 2>&1 &
 parallel_pid=$!
 ignored=()
-for path in "${LANE1_E2E[@]}"; do ignored+=("--ignore=$path"); done
+for path in "${LANE1_E2E[@]}" "${LANE3_E2E[@]}"; do ignored+=("--ignore=$path"); done
 # shellcheck disable=SC2086
 nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 "${ignored[@]}" \
     --basetemp "$workdir/2" ${PYTEST_ARGS:-} > "$workdir/lane-e2e.log" 2>&1 &
 e2e_pid=$!
+# shellcheck disable=SC2086
+nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 \
+    --basetemp "$workdir/3" ${PYTEST_ARGS:-} "${LANE3_E2E[@]}" > "$workdir/lane-slurm.log" 2>&1 &
+slurm_pid=$!
 parallel_status=0
 e2e_status=0
+slurm_status=0
 wait "$parallel_pid" || parallel_status=$?
 echo "== lane 1 (not e2e in parallel, then e2e of ${LANE1_E2E[*]}): exit $parallel_status after $(( $(date +%s) - started )) s"
 cat "$workdir/lane-parallel.log"
 wait "$e2e_pid" || e2e_status=$?
 echo "== lane 2 (the other e2e tests, one at a time): exit $e2e_status after $(( $(date +%s) - started )) s"
 cat "$workdir/lane-e2e.log"
-if [[ $parallel_status -ne 0 || $e2e_status -ne 0 ]]; then
-    echo "== FAILED: lane 1 exit $parallel_status, lane 2 exit $e2e_status"
+wait "$slurm_pid" || slurm_status=$?
+echo "== lane 3 (the Slurm cluster's e2e tests, one at a time): exit $slurm_status after $(( $(date +%s) - started )) s"
+cat "$workdir/lane-slurm.log"
+if [[ $parallel_status -ne 0 || $e2e_status -ne 0 || $slurm_status -ne 0 ]]; then
+    echo "== FAILED: lane 1 exit $parallel_status, lane 2 exit $e2e_status, lane 3 exit $slurm_status"
     exit 1
 fi
 echo "== passed in $(( $(date +%s) - started )) s"
