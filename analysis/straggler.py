@@ -194,12 +194,16 @@ def _by_compute(obs: Observation, settings: DetectionSettings, stats: RankStats,
             # its extra compute costs twice the usual share of a step (ZeRO: gathers every
             # layer, so the lag at each is short however slow the rank).
             # Where its collectives overlap its compute (many per gap: DDP's gradient buckets)
-            # its busy time is no measure of that cost: its peers' compute hides inside their
+            # its other gaps are no measure of that cost: its peers' compute hides inside their
             # pending buckets while its own shows, so a GPU 5% slower computes 1.4x as long
-            # by the trace (and costs the job 5% of a step); there only the lag counts.
+            # by them (and costs the job 5% of a step). Its longest gap (the forward, with
+            # nothing pending) is not so inflated, unless a pause fell in it: there the busy
+            # excess counts only where the longest gap is no further ahead of its peers' than
+            # the other gaps are (a slow GPU's, not a pause's), else the lag alone.
             lag = own.blame_us / np.maximum(last, 1.0) / step_us
             overlapped = n / np.maximum(own.peer_gaps, 1.0) >= _MANY_COLLECTIVES_PER_GAP
-            candidate &= (lag >= settings.straggler.min_lag) | (heavy & ~overlapped)
+            measured = ~overlapped | (own.longest_ratio <= own.rest_ratio)
+            candidate &= (lag >= settings.straggler.min_lag) | (heavy & measured)
             # ...and, every rank meeting every collective, it is last at a large share of
             # them: a slower GPU at most of each step's; a GPU a few percent slower, or one
             # that met more pauses than its peers, mostly at less than a quarter (half that
