@@ -123,12 +123,17 @@ class Dashboard:
             print(f"tracehound: the dashboard had stopped with status {process.returncode} "
                   f"(its log: {self.log})", file=sys.stderr)
             return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop the dashboard's server: SIGTERM, and SIGKILL when it has not gone 10 s later."""
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -152,12 +157,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     try:
         return _exit_status(server.wait())
     except KeyboardInterrupt:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        _stop(server)
         print("tracehound ui: stopped", file=sys.stderr)
         return 0
 
