@@ -346,8 +346,10 @@ def test_busy_child_shows_cpu_rate(spawn: Callable[..., subprocess.Popen[bytes]]
     watcher.observe(beat(pid=child.pid, time_us=now_us()))
 
     def busy() -> bool:
+        # a busy loop runs at one CPU-second a second on an idle core; on two cores shared by
+        # three test lanes and more it got under half of that in a CI run: idle is 0
         watcher.tick()
-        return any(s.cpu_rate > 0.5 for s in samples_of(records, child.pid))
+        return any(s.cpu_rate > 0.2 for s in samples_of(records, child.pid))
 
     assert poll(busy, every=0.3)
     assert samples_of(records, child.pid)[-1].cpu_s > 0
