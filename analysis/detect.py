@@ -258,6 +258,12 @@ class _WaitsFor:
     def entered(self, rank: int, group: str) -> int:
         return self.reached.get((rank, group), 0)
 
+    def by_records(self, rank: int, group: str) -> bool:
+        """Whether how far `rank` entered `group` comes from its stored records (they are
+        ahead of its heartbeat): they say what it completed, not whether it entered the next
+        call."""
+        return self.entered(rank, group) > self.beat.get((rank, group), 0)
+
     def laggards(self, group: str, seq: int) -> tuple[int, ...]:
         key = (group, seq)
         if key == _UNTRACED:
@@ -401,9 +407,7 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
                 continue
             reached = graph.entered(member, group)
             where = _reach_words(graph, member, group, reported=member in beats)
-            # by its records a rank completed up to a collective: whether it entered the next
-            # one they cannot tell
-            by_records = reached > graph.beat.get((member, group), 0)
+            by_records = graph.by_records(member, group)
             if reached < seq:
                 head = (f"{'was not seen entering' if by_records else 'never entered'} "
                         f"collective #{seq} of group {group} ({where}); ")
@@ -691,7 +695,7 @@ def _reach_words(graph: _WaitsFor, member: int, group: str, *, reported: bool) -
     are ahead of its last heartbeat (which the words then give too), else its heartbeat."""
     reached = graph.entered(member, group)
     beat = graph.beat.get((member, group))
-    if reached > (beat or 0):
+    if graph.by_records(member, group):
         told = ("it reported no heartbeat" if not reported else
                 "its last heartbeat named no work in the group" if beat is None else
                 f"its last heartbeat, {reached - beat} collective(s) older, said #{beat}")

@@ -345,9 +345,9 @@ def progress_frame(grid: ProgressGrid, culprits: Iterable[int] = (),
             own = at.get((bucket, seq))
             if own is not None:
                 status = own.status
-            label = f"{bucket}-{bucket + width - 1}" if width > 1 else str(bucket)
             rows.append({
-                "ranks": label + (" culprit" if bucket in culprit_buckets else ""),
+                "ranks": _bucket_label(bucket, width)
+                + (" culprit" if bucket in culprit_buckets else ""),
                 "bucket": bucket, "seq": seq, "status": status,
                 "op": cell.op if cell else "",
                 "recorded": cell.ranks if cell else 0,
@@ -357,6 +357,11 @@ def progress_frame(grid: ProgressGrid, culprits: Iterable[int] = (),
             })
     return pd.DataFrame(rows, columns=["ranks", "bucket", "seq", "status", "op", "recorded",
                                        "late max (ms)", "culprit", "state"])
+
+
+def _bucket_label(bucket: int, width: int) -> str:
+    """A row of ranks as the progress view and "Furthest behind" name it: `8-15`, or `8`."""
+    return f"{bucket}-{bucket + width - 1}" if width > 1 else str(bucket)
 
 
 def _recorded_status(cell: ProgressCell, typical_us: float) -> str:
@@ -385,9 +390,8 @@ def behind_frame(grid: ProgressGrid, limit: int = 10, culprits: Sequence[int] = 
     alone would show it no further behind than they are), then the others by lowest completed
     sequence id (their heartbeats)."""
     width = max(grid.width, 1)
-    ahead = [(r // width) * width for r in culprits]
-    rank_of = {(r // width) * width: r for r in reversed(culprits)}
-    first = {b: i for i, b in enumerate(dict.fromkeys(ahead))}
+    rank_of = {(r // width) * width: r for r in reversed(culprits)}  # its first culprit
+    first = {b: i for i, b in enumerate(dict.fromkeys((r // width) * width for r in culprits))}
     rows = sorted(grid.buckets, key=lambda b: (first.get(b.bucket, len(first)),
                                                b.min_completed, b.bucket))[:limit]
 
@@ -400,7 +404,7 @@ def behind_frame(grid: ProgressGrid, limit: int = 10, culprits: Sequence[int] = 
         return f"culprit rank {own.rank}: {own.words}"
 
     return pd.DataFrame(
-        [{"ranks": f"{b.bucket}-{b.bucket + width - 1}" if width > 1 else str(b.bucket),
+        [{"ranks": _bucket_label(b.bucket, width),
           "evidence": evidence(b.bucket),
           "lowest completed": b.min_completed, "highest entered": b.max_enqueued,
           "ranks pending": b.pending, "ranks reporting": b.ranks} for b in rows],
