@@ -114,7 +114,7 @@ def _log_tail(workdir: Path, lines: int = 30) -> str:
     return "\n".join(parts) or f"(no log under {workdir / 'log'})"
 
 
-def _alive(pid: int) -> bool:
+def pid_runs(pid: int) -> bool:
     """Whether `pid` runs. A daemon is not our child, so a zombie (no reaper in a container)
     counts as gone."""
     try:
@@ -164,11 +164,11 @@ class RunningServer:
 
     def stop(self, *, timeout: float = 30.0) -> None:
         """SIGTERM the server and wait until it is gone (SIGKILL after `timeout` seconds)."""
-        if not _alive(self.pid):
+        if not pid_runs(self.pid):
             return
         os.kill(self.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _alive(self.pid):
+        while pid_runs(self.pid):
             if time.monotonic() > deadline:
                 os.kill(self.pid, signal.SIGKILL)
                 break
@@ -220,7 +220,7 @@ def start_server(
         if not pid and pid_file.exists():
             text = pid_file.read_text().strip()
             pid = int(text) if text.isdigit() else 0
-        if pid and not _alive(pid):
+        if pid and not pid_runs(pid):
             raise HarnessError(f"clickhouse-server (pid {pid}) exited during start\n"
                                + _log_tail(workdir))
         if pid and _answers(tcp_port):
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     try:
         while not done.wait(0.5):
-            if not _alive(server.pid):
+            if not pid_runs(server.pid):
                 print(f"clickhouse-server (pid {server.pid}) died\n{_log_tail(server.workdir)}",
                       file=sys.stderr)
                 return 1

@@ -69,6 +69,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from clickhouse_harness import pid_runs
+
 T = TypeVar("T")
 
 INSTALL_HINT = ("bash scripts/install-slurm.sh (apt-get install -y slurmctld slurmd slurm-client "
@@ -113,20 +115,6 @@ def _ip(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def _netns_pids(netns: str) -> list[int]:
     done = _ip("netns", "pids", netns, check=False)
     return [int(p) for p in done.stdout.split() if p.isdigit()]
@@ -136,7 +124,7 @@ def _kill_netns(netns: str) -> None:
     """SIGKILL every process inside `netns` until none is left (job steps are reparented to
     init, so no daemon of ours can be asked to end them)."""
     for _ in range(50):
-        pids = [p for p in _netns_pids(netns) if _pid_alive(p)]
+        pids = [p for p in _netns_pids(netns) if pid_runs(p)]
         if not pids:
             return
         for pid in pids:
@@ -153,7 +141,7 @@ def sweep_stale() -> list[str]:
     for line in listed:
         name = line.split(" ", 1)[0]
         match = _NAME.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_runs(int(match.group(1))):
             _kill_netns(name)
             _ip("netns", "delete", name, check=False)
             removed.append(name)
@@ -163,7 +151,7 @@ def sweep_stale() -> list[str]:
             continue
         name = parts[1].strip().split("@", 1)[0]
         match = _LINK.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_runs(int(match.group(1))):
             _ip("link", "delete", name, check=False)
             removed.append(name)
     return removed
