@@ -21,6 +21,7 @@ from tracehound.tracing.events import (
     HealthSeverity,
     Heartbeat,
     ProcessGroupInfo,
+    ProcessSample,
     StackSample,
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
@@ -193,4 +194,15 @@ def links(rows: Sequence[tuple[int, int, float]], *, n: int = 24, max_factor: fl
         dst=np.array([d for _, d, _ in rows], dtype=np.int64),
         n=np.full(len(rows), n, dtype=np.int64), transfer_mean_us=mean,
         transfer_max_us=mean * max_factor,
+    )
+
+
+def proc(rank: int, state: str, at_us: int, *, cpu_rate: float = 0.0,
+         io_rate: float = 0.0) -> ProcessSample:
+    """The node agent's sample of a rank's process: its state letter (`T` stopped, `S`
+    sleeping, ...) and its CPU and I/O rates."""
+    return ProcessSample(
+        job=JobId("j"), attempt=0, node=NodeId(node_of(rank)), rank=Rank(rank), pid=1000 + rank,
+        time_us=at_us, state=state, cpu_s=10.0, cpu_rate=cpu_rate, read_bytes=0,
+        write_bytes=0, io_rate=io_rate,
     )

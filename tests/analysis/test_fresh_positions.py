@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from observation_builders import T0, S, beat, node_of, observe, progress, snapshot
+from observation_builders import T0, S, beat, observe, proc, progress, snapshot
 
 from tracehound.analysis.detect import detect_hang
 from tracehound.analysis.diagnose import diagnose_with_records
@@ -30,7 +30,6 @@ from tracehound.tracing.events import (
     CollectiveEvent,
     CollectiveState,
     Heartbeat,
-    ProcessSample,
 )
 from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.store import TraceStore
@@ -49,11 +48,7 @@ def stale_snapshot() -> JobSnapshot:
     ]
     stale = beat(2, STOPPED_AT - S, progress("0", 655, 655, enq_us=STOPPED_AT - S))
     snap = snapshot(NOW, 4, [*waiting, stale], {"0": [0, 1, 2, 3]})
-    stopped = ProcessSample(
-        job=JobId("j"), attempt=0, node=NodeId(node_of(2)), rank=Rank(2), pid=1002,
-        time_us=NOW - S, state="T", cpu_s=1.0, cpu_rate=0.0, read_bytes=0, write_bytes=0,
-        io_rate=0.0)
-    return replace(snap, processes=(stopped,))
+    return replace(snap, processes=(proc(2, "T", NOW - S),))
 
 
 def lag_fact(snap: JobSnapshot) -> tuple[int, str, float]:

@@ -10,29 +10,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 import msgspec
-from observation_builders import T0, S, beat, node_of, progress, snapshot, stack
+from observation_builders import T0, S, beat, proc, progress, snapshot, stack
 
 from tracehound.analysis.detect import detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
 from tracehound.analysis.observation import Observation
 from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.analysis.verdict import Basis, Fact
-from tracehound.tracing.events import IncidentKind, ProcessSample
-from tracehound.tracing.ids import JobId, NodeId, Rank
+from tracehound.tracing.events import IncidentKind
 
 SETTINGS = DetectionSettings(
     hang=HangSettings(after_s=5.0, heartbeat_timeout_s=2.5, busy_grace_s=600.0))
 NOW = T0 + 100 * S
 PAIR = "0:p2p:1-3"
-
-
-def proc(rank: int, state: str, at_us: int, *, cpu_rate: float = 0.0,
-         io_rate: float = 0.0) -> ProcessSample:
-    return ProcessSample(
-        job=JobId("j"), attempt=0, node=NodeId(node_of(rank)), rank=Rank(rank), pid=1000 + rank,
-        time_us=at_us, state=state, cpu_s=10.0, cpu_rate=cpu_rate, read_bytes=0,
-        write_bytes=0, io_rate=io_rate,
-    )
 
 
 def test_the_frozen_side_of_a_p2p_pair_is_named_first_whatever_its_number() -> None:

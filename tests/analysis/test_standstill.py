@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from observation_builders import T0, S, beat, node_of, progress, snapshot, stack
+from observation_builders import T0, S, beat, node_of, proc, progress, snapshot, stack
 
 from tracehound.analysis.detect import detect_hang
 from tracehound.analysis.diagnose import diagnose_observation
@@ -16,7 +16,7 @@ from tracehound.analysis.observation import Observation
 from tracehound.analysis.settings import DetectionSettings, HangSettings
 from tracehound.analysis.standstill import detect_standstill
 from tracehound.analysis.verdict import Basis, Fact
-from tracehound.tracing.events import IncidentKind, ProcessSample, RankExit
+from tracehound.tracing.events import IncidentKind, RankExit
 from tracehound.tracing.ids import JobId, NodeId, Rank
 
 SETTINGS = DetectionSettings(
@@ -31,14 +31,6 @@ WAIT_TENSOR = ("torch/nn/utils/clip_grad.py:97 clip_grad_norm_",
                "torch/_ops.py:1279 OpOverloadPacket.__call__")
 CHECKPOINT = ("train.py:80 save", "torch/serialization.py:900 _save",
               "torch/serialization.py:700 write")
-
-
-def proc(rank: int, state: str, at_us: int, cpu_rate: float = 0.0) -> ProcessSample:
-    return ProcessSample(
-        job=JobId("j"), attempt=0, node=NodeId(node_of(rank)), rank=Rank(rank), pid=1000 + rank,
-        time_us=at_us, state=state, cpu_s=10.0, cpu_rate=cpu_rate, read_bytes=0, write_bytes=0,
-        io_rate=0.0,
-    )
 
 
 def still_job(idle_s: float, *, stopped: int | None = 2, waiting: tuple[int, ...] = (0, 1, 3),
