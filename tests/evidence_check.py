@@ -31,7 +31,7 @@ from typing import Any
 
 from tracehound.tracing.events import CollectiveEvent, CollectiveState, Heartbeat, Incident
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.store import TraceStore, open_store
+from tracehound.tracing.store import TraceStore
 
 SLACK_US = 1_000_000
 """Records and heartbeats stored this close before a detection may have been on their way."""
@@ -144,12 +144,3 @@ def check_incidents(store: TraceStore, job: str,
         checked += n
     assert not problems, "facts the stored records contradict:\n" + "\n".join(problems)
     return checked
-
-
-def assert_facts_agree(store_url: str, job: str) -> int:
-    """`check_incidents` on a store by its URL (a real job's, once it has ended)."""
-    store = open_store(store_url, create=False)
-    try:
-        return check_incidents(store, job)
-    finally:
-        store.close()
