@@ -14,7 +14,11 @@ from typing import Any
 import pytest
 from demo_harness import DemoRun
 
+from tracehound.controller.policy.recovery import SOFT_KINDS
+
 pytestmark = pytest.mark.e2e
+
+SOFT = {kind.value for kind in SOFT_KINDS}
 
 
 def tracehound(*args: str) -> subprocess.CompletedProcess[str]:
@@ -53,8 +57,14 @@ def check_stored(store: str, job: str, fault: str, rank: int) -> None:
     listed = tracehound("incidents", "--job", job, "--store", store, "--json")
     assert listed.returncode == 0, listed.stderr
     incidents = json.loads(listed.stdout)
-    assert len(incidents) == 1
-    incident = incidents[0]
+    incident, *later = incidents
+    # 4 ranks share 2 cores with the rest of the suite: the load can make one rank of the
+    # restarted job compute a sixth longer for a window, a straggler by the job's own timing
+    # (seen once: rank 2 at 1.17x). A soft fault seen once is recorded and watched, never
+    # acted on: no stop, no isolation, no restart of a healthy attempt.
+    for soft in later:
+        assert soft["attempt"] == 1 and soft["kind"] in SOFT, incidents
+        assert {a["kind"] for a in soft["actions"]} <= {"observe", "alert"}, incidents
     assert incident["kind"] == fault
     assert incident["culprit_ranks"] == [rank]
     assert incident["culprit_nodes"] == [f"node-{rank // 2}"]
@@ -70,7 +80,8 @@ def check_stored(store: str, job: str, fault: str, rank: int) -> None:
     assert verdict["culprit_ranks"] == [rank]
     assert verdict["evidence"]
     healthy = tracehound("diagnose", "--job", job, "--attempt", "1", "--store", store, "--json")
-    assert json.loads(healthy.stdout)["kind"] == "healthy"
+    # the whole attempt judged at once may or may not hold the window a soft fault was seen in
+    assert json.loads(healthy.stdout)["kind"] in ({"healthy"} | (SOFT if later else set()))
 
 
 def test_demo_hang_is_localized_and_recovered_embedded_store(demo_hang: DemoRun) -> None:
