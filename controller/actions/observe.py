@@ -43,8 +43,8 @@ class ObserveActions:
         return frozenset()
 
     def describe(self) -> str:
-        return "observe only (no --on-incident or --slurm): incidents are recorded, the job " \
-               "is never touched"
+        return "observe: incidents and what the policy would do are recorded, the job is " \
+               "never touched"
 
     def check(self) -> None:
         return None

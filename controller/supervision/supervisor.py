@@ -662,8 +662,10 @@ class Supervisor:
             return GO_ON  # the job's rhythm: noted on the job, no incident
         if verdict.kind in SOFT_KINDS or key not in self._recorded:
             self._recorded.add(key)
+            recorded = len(self._incidents)
             self._recover(self._with_history(verdict), steps)  # observed only
-            if verdict.kind is IncidentKind.STALL and self._pause is not None:
+            if (verdict.kind is IncidentKind.STALL and self._pause is not None
+                    and len(self._incidents) > recorded):
                 self._pause.incident = self._incidents[-1]
         self._alert_long_stall()
         return GO_ON

@@ -230,6 +230,9 @@ class Watcher(Supervisor):
         self._acted: set[tuple[object, ...]] = set()
         """Episodes whose acting plan was dealt with (carried out, or recorded as not done)."""
         self._ending: tuple[AttemptEnd, int] | None = None
+        self._hung_waits: set[tuple[object, ...]] = set()
+        """(culprit ranks, group, seq) of the waits recorded as hard incidents: the same wait
+        seen as a stall as its rank goes on again is no new incident."""
         self._unresolved: list[Incident] = []
         """Hard incidents (not soft faults, not stalls) of the watched attempt that the job has
         not recovered from yet (it has not been calm for a window since)."""
@@ -463,6 +466,16 @@ class Watcher(Supervisor):
 
     def _recover(self, verdict: Verdict, plan: tuple[PlannedAction, ...]) -> str | None:
         """The incident, with the action port's steps for the policy's plan."""
+        wait = _episode(verdict)[1:]
+        if verdict.kind is IncidentKind.STALL and wait in self._hung_waits:
+            # the hung rank goes on (SIGCONT, a blip that passed): for a moment it reports
+            # outside collectives while its peers still wait where the hang held them
+            self.log.info("rank %s goes on: the wait of its peers in #%s of group %s (a hang "
+                          "already recorded) ends", ", ".join(map(str, verdict.culprit_ranks)),
+                          wait[2], wait[1])
+            return None
+        if verdict.kind is not IncidentKind.STALL:
+            self._hung_waits.add(wait)
         steps = self.actions.plan(verdict, plan)
         gave_up = super()._recover(verdict, steps)
         incident = self._incidents[-1]
@@ -552,6 +565,8 @@ class Watcher(Supervisor):
         key = episode_of(full)  # dealt with now: not again when its attempt is adopted
         self._acted.add(key)
         self._recorded.add(key)
+        if _kind(full.kind) is not IncidentKind.STALL:
+            self._hung_waits.add(key[1:])
         for action in actions:
             self._action_event(action)
         self._after_plan(full, plan)
@@ -562,8 +577,12 @@ class Watcher(Supervisor):
         """The incidents of the adopted attempt: recorded and dealt with, not again."""
         self._remember_watched(history, attempt)
         for incident in history.incidents:
-            if incident.attempt == attempt and _dealt_with(incident):
+            if incident.attempt != attempt:
+                continue
+            if _dealt_with(incident):
                 self._acted.add(episode_of(incident))
+            if _kind(incident.kind) is not IncidentKind.STALL:
+                self._hung_waits.add(episode_of(incident)[1:])
 
     # -- the end ----------------------------------------------------------------------------------
     def _step_ending(self) -> None:
@@ -626,7 +645,7 @@ class Watcher(Supervisor):
 
     # -- saying ----------------------------------------------------------------------------------
     def _event(self, what: EventKind, text: str, /, **data: Any) -> None:
-        if what is not EventKind.ACTION:
+        if what not in (EventKind.INCIDENT, EventKind.ACTION):  # the supervisor logs those
             self.log.info("%s", text)
         if self.on_event is None:
             return
