@@ -152,7 +152,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
                          "must be named slurm-ID")
     poll_s = _positive(args, "poll")
     settings = WatchSettings(
-        supervisor=supervisor_settings(args, poll_s=poll_s),
+        supervisor=supervisor_settings(args, poll_s=poll_s,
+                                       summaries_every_s=WatchSettings().supervisor
+                                       .summaries_every_s),
         silent_after_s=_positive(args, "silent_after"), end_grace_s=_positive(args, "end_grace"),
     )
     slurm = args.slurm or settings.supervisor.policy.watch_actions is WatchActions.SLURM

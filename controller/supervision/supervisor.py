@@ -34,7 +34,7 @@ from typing import Final
 import msgspec
 
 from tracehound.analysis.diagnose import diagnose_observation
-from tracehound.analysis.observation import load_observation
+from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.rhythm import (
     EXPECTED_PAUSE,
     Pause,
@@ -605,19 +605,14 @@ class Supervisor:
             return f"timed out after {self.settings.timeout_s:.0f} s"
         # a poll woken by an exit reads no window summaries: a crash needs none of them
         judged_from_us = watch.trains_since_us + int(self.settings.warmup_s * 1e6)
-        refresh = not exited and summaries_due(self.settings, now_us=now,
-                                               judged_from_us=judged_from_us,
-                                               last_us=watch.last_summaries_us)
+        refresh = not exited and self._summaries_due(now, judged_from_us,
+                                                     watch.last_summaries_us)
         # the exits go to the store before the snapshot is read: read first, a crash would
         # wait a poll to be seen
         exits_stored = self._exits_stored()
         try:
-            obs = load_observation(
-                self.store, job=plan.job, attempt=plan.attempt, now_us=now,
-                window_s=self.settings.window_s, expected_ranks=watch.rank_nodes,
-                summaries=refresh, since_us=judged_from_us,
-                uneven_ops=self.settings.detection.mismatch.size_exempt_ops,
-            )
+            obs = self._observe(watch, now_us=now, summaries=refresh,
+                                since_us=judged_from_us)
             if refresh:
                 watch.last_summaries_us = now
         except TemporaryStoreError as exc:
@@ -669,6 +664,21 @@ class Supervisor:
                 self._pause.incident = self._incidents[-1]
         self._alert_long_stall()
         return GO_ON
+
+    def _observe(self, watch: AttemptWatch, *, now_us: int, summaries: bool,
+                 since_us: int) -> Observation:
+        """What the poll at `now_us` reads of the attempt (`load_observation`)."""
+        return load_observation(
+            self.store, job=watch.plan.job, attempt=watch.plan.attempt, now_us=now_us,
+            window_s=self.settings.window_s, expected_ranks=watch.rank_nodes,
+            summaries=summaries, since_us=since_us,
+            uneven_ops=self.settings.detection.mismatch.size_exempt_ops,
+        )
+
+    def _summaries_due(self, now_us: int, judged_from_us: int, last_us: int) -> bool:
+        """Whether this poll reads the window summaries too (`summaries_due`)."""
+        return summaries_due(self.settings, now_us=now_us, judged_from_us=judged_from_us,
+                             last_us=last_us)
 
     def _follow_pause(self, verdict: Verdict, now_us: int) -> None:
         """Follow the stall episode of `verdict`: where its lead rank is and how long its peers

@@ -51,7 +51,8 @@ from typing import Any
 
 import msgspec
 
-from tracehound.analysis.snapshot import load_snapshot
+from tracehound.analysis.observation import Observation, load_observation
+from tracehound.analysis.snapshot import SAMPLES_HORIZON_S, JobSnapshot
 from tracehound.analysis.verdict import Verdict
 from tracehound.controller.actions.observe import NOT_ACTED
 from tracehound.controller.actions.port import IncidentActions, ends_attempt
@@ -89,10 +90,13 @@ from tracehound.tracing.errors import StoreError
 from tracehound.tracing.events import (
     Action,
     ActionKind,
+    Heartbeat,
     Incident,
     IncidentKind,
     JobPhase,
     JobState,
+    ProcessGroupInfo,
+    ProcessSample,
     now_us,
 )
 from tracehound.tracing.ids import JobId, NodeId
@@ -110,6 +114,12 @@ _QUIET_KINDS = frozenset({*SOFT_KINDS, IncidentKind.STALL})
 """Incident kinds that leave a job that ended after them `finished` (nothing was wrong enough
 with it to call its end a failure)."""
 
+_BEHIND_S = 5.0
+"""How far behind now the newest report of an attempt is before the watcher says so."""
+
+_GROUPS_EVERY_S = 30.0
+"""How often a watcher reads the process groups of the attempt it watches again."""
+
 _UNSPARED = 2**31 - 1
 """The spare nodes a watched job has, as the policy sees them: its scheduler finds replacements
 (or keeps the job queued), so the watcher never withholds an eviction for want of spares; the
@@ -119,8 +129,10 @@ policy's isolation limits still bound it."""
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WatchSettings:
     supervisor: SupervisorSettings = field(
-        default_factory=lambda: SupervisorSettings(poll_s=1.0))
-    """Detection, policy and the poll interval, as for a supervised job."""
+        default_factory=lambda: SupervisorSettings(poll_s=1.0, summaries_every_s=10.0))
+    """Detection, policy and the poll interval, as for a supervised job. The window summaries
+    (soft faults) are read once a detection window, not every 2 s: a soft fault is counted at
+    most once a window anyway, and they are most of what a poll costs the store."""
     silent_after_s: float = 60.0
     """An attempt of which nothing (no heartbeat, no process sample) has reported for this long
     stopped reporting: it is over. Also how fresh a report must be for a job to count as
@@ -130,6 +142,10 @@ class WatchSettings:
     launcher restarting it) before the job has ended."""
     discover_s: float = 5.0
     """How often the store is asked for jobs (and for a waited-for job's attempts)."""
+    summaries_defer_max_s: float = 120.0
+    """A fleet that falls behind (more jobs than the store answers for at the poll interval)
+    puts a job's window summaries off, so that its snapshot polls (hangs, crashes) stay on
+    time, but never for longer than this."""
 
 
 class EventKind(enum.StrEnum):
@@ -242,14 +258,30 @@ class Watcher(Supervisor):
         """How the job ended, once it has."""
         self.outcome = ""
         """Why the watch ended, in words."""
+        self.behind = False
+        """Set by the fleet when this watcher's poll comes late: its window summaries wait
+        (`WatchSettings.summaries_defer_max_s`)."""
+        self._said_behind = False
+        self._groups: tuple[int, int, tuple[ProcessGroupInfo, ...]] | None = None
+        """The watched attempt's process groups, until when they are read again."""
+        self._found: tuple[int, int] | None = None
+        """An attempt found reporting before the first step (the fleet's discovery)."""
+        self.polls = 0
+        """Polls of a watched attempt (each reads and diagnoses one observation)."""
+        self.summarized = 0
+        """Those of them that read the window summaries too (soft faults)."""
+        self.poll_times: list[int] = []
+        """When the first 10,000 of those polls were taken."""
 
     # -- driving --------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self._phase is _Phase.DONE
 
-    def start(self) -> None:
-        """Write what an earlier watcher journaled, and pick the job up where it left it."""
+    def start(self, reporting: tuple[int, int] | None = None) -> None:
+        """Write what an earlier watcher journaled, and pick the job up where it left it.
+        `reporting`: (attempt, newest heartbeat) of an attempt already found reporting."""
+        self._found = reporting
         self.outbox.flush(force=True)
         history = read_history(self.store, self.spec.job,
                                [e.record for e in self.outbox.pending()])
@@ -343,7 +375,9 @@ class Watcher(Supervisor):
 
     def _step_waiting(self) -> None:
         try:
-            found = self._reporting_attempt()
+            found, self._found = self._found or self._reporting_attempt(), None
+            if found is not None and found[0] < self._min_attempt:
+                found = self._reporting_attempt()
             if found is not None:
                 self._adopt(found[0])
             elif self._adopting is not None:
@@ -386,7 +420,10 @@ class Watcher(Supervisor):
         now = self.clock()
         snapshot_nodes: dict[int, str] = {}
         try:
-            snapshot = load_snapshot(self.store, job=self.spec.job, attempt=attempt, now_us=now)
+            snapshot = JobSnapshot(
+                job=self.spec.job, attempt=attempt, now_us=now,
+                heartbeats=tuple(self.store.latest_heartbeats(self.spec.job, attempt)),
+                groups=tuple(self.store.groups(self.spec.job, attempt)))
             snapshot_nodes = placement(snapshot)
             self._pids = {int(hb.rank): int(hb.pid) for hb in snapshot.heartbeats}
         except StoreError as exc:
@@ -423,12 +460,65 @@ class Watcher(Supervisor):
     def _healthy_spares(self) -> int:
         return _UNSPARED
 
+    def _observe(self, watch: AttemptWatch, *, now_us: int, summaries: bool,
+                 since_us: int) -> Observation:
+        """As a supervisor reads it, but for the process groups: read once a while (they are
+        created as a job starts, and one watcher polls many jobs)."""
+        job, attempt = watch.plan.job, watch.plan.attempt
+        cached = self._groups
+        if cached is None or cached[0] != attempt or now_us >= cached[1]:
+            groups = tuple(self.store.groups(job, attempt))
+            cached = self._groups = (attempt, now_us + int(_GROUPS_EVERY_S * _US), groups)
+        since = now_us - int(SAMPLES_HORIZON_S * _US)
+        heartbeats = tuple(self.store.latest_heartbeats(job, attempt))
+        processes = tuple(self.store.latest_processes(job, attempt, since))
+        as_of = self._as_of(now_us, [*heartbeats, *processes])
+        snapshot = JobSnapshot(
+            job=job, attempt=attempt, now_us=as_of, heartbeats=heartbeats,
+            exits=tuple(self.store.exits(job, attempt)), groups=cached[2],
+            expected_ranks=dict(watch.rank_nodes), processes=processes,
+            stacks=tuple(self.store.latest_stacks(job, attempt, since)))
+        return load_observation(
+            self.store, job=job, attempt=attempt, now_us=as_of,
+            window_s=self.settings.window_s, expected_ranks=watch.rank_nodes,
+            summaries=summaries, since_us=since_us, snapshot=snapshot,
+            uneven_ops=self.settings.detection.mismatch.size_exempt_ops)
+
+    def _as_of(self, now_us: int, reports: list[Heartbeat | ProcessSample]) -> int:
+        """The time the poll judges the attempt at: now, or the newest report of the attempt
+        when the store holds nothing newer. What reaches the store late (a node agent's
+        shipping delay, a busy store) then delays a verdict, but it cannot make every rank look
+        silent, nor make its peers' waits look longer than the records show. A rank that stops
+        reporting while the others go on is judged as before."""
+        newest = max((r.time_us for r in reports), default=0)
+        if not newest:
+            return now_us
+        as_of = min(now_us, newest)
+        behind_s = (now_us - as_of) / _US
+        if behind_s >= _BEHIND_S and not self._said_behind:
+            self.log.warning("the store's newest report of attempt %d is %.1f s old: its ranks "
+                             "are judged as of then", reports[0].attempt, behind_s)
+        self._said_behind = behind_s >= _BEHIND_S
+        return as_of
+
+    def _summaries_due(self, now_us: int, judged_from_us: int, last_us: int) -> bool:
+        if not super()._summaries_due(now_us, judged_from_us, last_us):
+            return False
+        # behind: hangs and crashes first, unless the summaries waited long enough already
+        waited = now_us - max(last_us, judged_from_us)
+        return not self.behind or waited >= int(self.watch_settings.summaries_defer_max_s * _US)
+
     # -- watching -------------------------------------------------------------------------------
     def _step_watching(self) -> None:
         watch = self._watch
         assert watch is not None
         was = self._state.state if self._state is not None else None
+        summarized = watch.last_summaries_us
         outcome = self._poll(watch, exited=False)
+        self.polls += 1
+        self.summarized += watch.last_summaries_us != summarized
+        if len(self.poll_times) < 10_000:
+            self.poll_times.append(self.clock())
         snapshot = watch.snapshot
         if snapshot is not None:
             learned = placement(snapshot, watch.rank_nodes)
@@ -737,11 +827,14 @@ class WatchFleet:
             self._next_discovery_us = now + int(self.settings.discover_s * _US)
         due = []  # one pass: each due watcher steps once, then discovery gets its turn
         while self._due and self._due[0][0] <= now:
-            due.append(heapq.heappop(self._due)[2])
-        for job in due:
+            at, _, job = heapq.heappop(self._due)
+            due.append((at, job))
+        late_us = int(self.settings.supervisor.poll_s * _US)
+        for at, job in due:
             watcher = self.watchers.get(job)
             if watcher is None:
                 continue
+            watcher.behind = self.clock() - at > late_us
             delay = watcher.step()
             self.polls += 1
             if delay is None:
@@ -770,10 +863,10 @@ class WatchFleet:
             watcher.close(max(0.0, deadline - time.monotonic()))
         self.watchers.clear()
 
-    def _watch(self, job: str) -> None:
+    def _watch(self, job: str, reporting: tuple[int, int] | None = None) -> None:
         watcher = self.make_watcher(JobId(job))
         self.watchers[job] = watcher
-        watcher.start()
+        watcher.start(reporting)
         heapq.heappush(self._due, (self.clock(), next(self._order), job))
 
     def _retire(self, job: str) -> None:
@@ -795,7 +888,8 @@ class WatchFleet:
             if job in self.watchers or job in self._skipped:
                 continue
             try:
-                if not self._reports(job):
+                reporting = self._reports(job)
+                if reporting is None:
                     continue
                 other = supervised_by(self.store, JobId(job))
             except StoreError as exc:
@@ -806,7 +900,7 @@ class WatchFleet:
                 self._say(EventKind.SKIPPED, job,
                           f"job {job} is not watched: {other}", reason=other)
                 continue
-            self._watch(job)
+            self._watch(job, reporting)
         if not self.watchers:
             self._nothing_to_watch(jobs, matching)
 
@@ -828,15 +922,16 @@ class WatchFleet:
             self._said_nothing = words
             self._say(EventKind.WAITING, "", words, reason=words, pattern=self.pattern)
 
-    def _reports(self, job: str) -> bool:
-        """Whether the job sent a heartbeat lately (and since its last watch ended)."""
+    def _reports(self, job: str) -> tuple[int, int] | None:
+        """(its newest attempt, that attempt's newest heartbeat) if the job sent a heartbeat
+        lately (and since its last watch ended); None if it did not."""
         attempts = self.store.attempts(JobId(job))
         if not attempts:
-            return False
+            return None
         beats = self.store.latest_heartbeats(JobId(job), attempts[-1])
         newest = max((hb.time_us for hb in beats), default=0)
         fresh = self.clock() - int(self.settings.silent_after_s * _US)
-        return newest >= max(fresh, self._ended.get(job, 0))
+        return (attempts[-1], newest) if newest >= max(fresh, self._ended.get(job, 0)) else None
 
     def _say(self, what: EventKind, job: str, text: str, /, **data: Any) -> None:
         log.info("%s", text)
