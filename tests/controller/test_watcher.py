@@ -163,6 +163,25 @@ def test_a_stopped_rank_is_one_incident_whose_command_runs_once_and_the_job_ends
     assert len(store.incidents(h.job.job)) == 1 and len(h.command_runs()) == 1
 
 
+def test_reports_that_reach_the_store_late_delay_a_verdict_but_make_no_rank_look_silent(
+        store: TraceStore, tmp_path: Path) -> None:
+    h = Harness(store, tmp_path)
+    h.job.lag_us = 8_000_000  # every report 8 s late: longer than the hang and silence limits
+    watcher = h.watcher(ObserveActions())
+    h.drive(watcher, lambda: EventKind.WATCHING in h.kinds())
+    began = h.clock.now
+    h.drive(watcher, lambda: h.clock.now > began + 30_000_000)
+    assert store.incidents(h.job.job) == []
+    assert h.states()[-1].state is JobPhase.RUNNING
+    h.job.stop(1)
+    stopped = h.clock.now
+    h.drive(watcher, lambda: bool(store.incidents(h.job.job)))
+    (incident,) = store.incidents(h.job.job)
+    assert (incident.kind, incident.culprit_ranks) == ("hang", (1,))
+    # judged as of the reports: the hang threshold, then the reports' delay
+    assert 5.0 + 8.0 <= (incident.detected_at_us - stopped) / 1e6 <= 5.0 + 8.0 + 1.5
+
+
 def test_a_job_that_stops_reporting_ends_failed_saying_so_and_after_how_long(
         store: TraceStore, tmp_path: Path) -> None:
     h = Harness(store, tmp_path)

@@ -36,6 +36,9 @@ class ReportingJob:
     """Every rank's process ended (the node agents' last samples say `gone`)."""
     silent: bool = False
     """Nothing reports any more (the node agents are gone too)."""
+    lag_us: int = 0
+    """How late its reports reach the store: each is made this long before the clock's time
+    (a node agent's shipping delay, a busy store)."""
     _announced: int = -1
     _last_tick: int = 0
     _gone_sent: bool = False
@@ -43,10 +46,10 @@ class ReportingJob:
     def tick(self) -> None:
         """One round of reports at the clock's time (none twice at one time: a node agent never
         samples a process twice in one microsecond)."""
-        now = self.clock.now
-        if self.silent or self._gone_sent or now == self._last_tick:
+        if self.silent or self._gone_sent or self.clock.now == self._last_tick:
             return
-        self._last_tick = now
+        self._last_tick = self.clock.now
+        now = self.clock.now - self.lag_us
         records: list[Record] = []
         if self._announced != self.attempt:
             self._announced = self.attempt
@@ -56,7 +59,7 @@ class ReportingJob:
         if self.gone:
             self._gone_sent = True
             records += [self._process(r, now, "gone") for r in self.nodes]
-        elif self.stopped is None:
+        elif self.stopped is None or now < self.stopped_at:  # (reports made before the stop)
             self.seq += 1
             for rank, node in self.nodes.items():
                 records.append(heartbeat(self.job, self.attempt, rank, now, self.seq, self.seq,
