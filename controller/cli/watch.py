@@ -45,7 +45,8 @@ never touched):
                       job id is --slurm-job ID, else the ID of a job named slurm-ID (the default
                       job id of `tracehound instrument` inside a Slurm allocation). Node names
                       must be Slurm's (`tracehound instrument` names the node $SLURMD_NODENAME
-                      there). With --on-incident too, the Slurm steps come first.
+                      there). With --on-incident too, the Slurm steps come first. After a
+                      requeue the job's next attempt is waited for, as long as it takes.
 
 jobs:
   --job J             one job: waits for it to report, watches it until it ends, then exits
