@@ -117,6 +117,10 @@ with it to call its end a failure)."""
 _BEHIND_S = 5.0
 """How far behind now the newest report of an attempt is before the watcher says so."""
 
+_DECAY = 0.98
+"""How much of the fleet's step time counts again at the next step (about the last 50 steps
+count): its share of time on window summaries."""
+
 _GROUPS_EVERY_S = 30.0
 """How often a watcher reads the process groups of the attempt it watches again."""
 
@@ -142,10 +146,10 @@ class WatchSettings:
     launcher restarting it) before the job has ended."""
     discover_s: float = 5.0
     """How often the store is asked for jobs (and for a waited-for job's attempts)."""
-    summaries_defer_max_s: float = 120.0
+    summaries_share: float = 0.5
     """A fleet that falls behind (more jobs than the store answers for at the poll interval)
-    puts a job's window summaries off, so that its snapshot polls (hangs, crashes) stay on
-    time, but never for longer than this."""
+    spends at most this share of its time on polls that read window summaries (soft faults),
+    so that the snapshot polls (hangs, crashes) of every job go on."""
 
 
 class EventKind(enum.StrEnum):
@@ -259,8 +263,8 @@ class Watcher(Supervisor):
         self.outcome = ""
         """Why the watch ended, in words."""
         self.behind = False
-        """Set by the fleet when this watcher's poll comes late: its window summaries wait
-        (`WatchSettings.summaries_defer_max_s`)."""
+        """Set by the fleet while it is behind and its share of time on window summaries is
+        used up: this poll reads none (`WatchSettings.summaries_share`)."""
         self._said_behind = False
         self._groups: tuple[int, int, tuple[ProcessGroupInfo, ...]] | None = None
         """The watched attempt's process groups, until when they are read again."""
@@ -502,11 +506,7 @@ class Watcher(Supervisor):
         return as_of
 
     def _summaries_due(self, now_us: int, judged_from_us: int, last_us: int) -> bool:
-        if not super()._summaries_due(now_us, judged_from_us, last_us):
-            return False
-        # behind: hangs and crashes first, unless the summaries waited long enough already
-        waited = now_us - max(last_us, judged_from_us)
-        return not self.behind or waited >= int(self.watch_settings.summaries_defer_max_s * _US)
+        return not self.behind and super()._summaries_due(now_us, judged_from_us, last_us)
 
     # -- watching -------------------------------------------------------------------------------
     def _step_watching(self) -> None:
@@ -810,6 +810,10 @@ class WatchFleet:
         self._said_nothing = ""
         self.polls = 0
         """Steps taken (polls of watched attempts and looks for attempts)."""
+        self._steps_s = 0.0
+        self._summaries_s = 0.0
+        """The time the recent steps took, and the part of it in steps that read window
+        summaries (each decaying by `_DECAY` a step)."""
 
     def __iter__(self) -> Iterator[Watcher]:
         return iter(list(self.watchers.values()))
@@ -834,8 +838,15 @@ class WatchFleet:
             watcher = self.watchers.get(job)
             if watcher is None:
                 continue
-            watcher.behind = self.clock() - at > late_us
+            watcher.behind = (self.clock() - at > late_us
+                              and self._summaries_s > self.settings.summaries_share
+                              * self._steps_s)
+            started, summarized = time.monotonic(), watcher.summarized
             delay = watcher.step()
+            took = time.monotonic() - started
+            self._steps_s = self._steps_s * _DECAY + took
+            self._summaries_s = (self._summaries_s * _DECAY
+                                 + (took if watcher.summarized > summarized else 0.0))
             self.polls += 1
             if delay is None:
                 self._retire(job)
