@@ -36,7 +36,7 @@ Printed (`--json`: one object):
   late the writer wrote a window at worst; `writer_lag_p50_s` and `_p95_s`) and `rows`.
 
     .venv/bin/python bench/watch.py --json                  # 100 jobs x 256 ranks, 150 s
-    .venv/bin/python bench/watch.py --quick --json          # 4 jobs x 32 ranks, 40 s
+    .venv/bin/python bench/watch.py --quick --json          # 4 jobs x 32 ranks, 30 s
     .venv/bin/python bench/watch.py --json --store clickhouse://default:@127.0.0.1:9000/wb
 
 Without --store it starts a ClickHouse server of its own (tests/clickhouse_harness.py) in a temp
@@ -364,7 +364,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true",
-                        help="4 jobs of 32 ranks for 40 s (for a test)")
+                        help="4 jobs of 32 ranks for 30 s (for a test)")
     parser.add_argument("--jobs", type=int, default=None, help="simulated jobs (default 100)")
     parser.add_argument("--ranks", type=int, default=None, help="ranks per job (default 256)")
     parser.add_argument("--duration-s", type=float, default=None,
@@ -380,7 +380,7 @@ def main() -> int:
                              "there are fewer jobs)")
     parser.add_argument("--store", help="a ClickHouse server URL (default: start one)")
     args = parser.parse_args()
-    quick = {"jobs": 4, "ranks": 32, "duration_s": 40.0, "window_s": 2.0}
+    quick = {"jobs": 4, "ranks": 32, "duration_s": 30.0, "window_s": 2.0}
     full = {"jobs": 100, "ranks": 256, "duration_s": 150.0, "window_s": 5.0}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:

@@ -1,6 +1,6 @@
-"""The watcher driven step by step over a real store (each adapter), on a clock the test moves: a
-job that reports like one under `tracehound instrument` (`watch_fakes.ReportingJob`), with the
-faults injected into what it reports. The real multi-process job is test_watch_e2e's.
+"""The watcher driven step by step over a real store (the server and the embedded engine), on a
+clock the test moves: a job that reports like one under `tracehound instrument`
+(`watch_fakes.ReportingJob`), with the faults injected into what it reports. The real multi-process job is test_watch_e2e's.
 
 What is checked: a stopped rank becomes one incident whose command runs once; the job's states
 and its end (exited, or stopped reporting) with how long; Slurm's drain and requeue, and the next
@@ -11,8 +11,10 @@ of jobs."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from supervisor_fakes import Clock
@@ -34,7 +36,37 @@ from tracehound.controller.supervision.watcher import (
 )
 from tracehound.tracing.events import ActionKind, Incident, JobPhase, JobState
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.store import TraceStore
+from tracehound.tracing.store import TraceStore, open_store
+
+
+@pytest.fixture(params=[
+    pytest.param("server", marks=pytest.mark.clickhouse_server, id="server"),
+    pytest.param("embedded", id="embedded"),
+])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TraceStore]:
+    """A fresh store on the server and on the embedded engine (the watcher reads through the
+    port only; the store's own contract, cluster mode included, is tests/tracing's)."""
+    url = (f"chdb://{tmp_path / 'chdb'}" if request.param == "embedded"
+           else request.getfixturevalue("store_url_on_server"))
+    opened = open_store(url)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def store_url_on_server(clickhouse_url: str) -> Iterator[str]:
+    from tracehound.tracing.store.server import ClickHouseServerStore
+
+    url = urlsplit(clickhouse_url)._replace(path=f"/tracehound_t{uuid.uuid4().hex[:12]}").geturl()
+    yield url
+    cleanup = ClickHouseServerStore(url)
+    try:
+        cleanup.drop_database()
+    finally:
+        cleanup.close()
+
 
 SETTINGS = WatchSettings(
     supervisor=SupervisorSettings(poll_s=0.5, detection=DetectionSettings(
