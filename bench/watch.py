@@ -30,6 +30,8 @@ Printed (`--json`: one object):
 - `false_verdicts`: incidents on the healthy jobs (should be 0), with their kinds, and
   `false_would_act` of them whose plan the policy would have carried out (stopped, evicted or
   restarted: the watcher here only observes); a soft fault seen once is only observed;
+- `load_avg_1m`: the machine's load average at the start and the end of the watch (the
+  machine is shared: what else ran moves every figure);
 - `watcher_cpu_share`: this process's CPU seconds (the watcher: its analysis and the store
   client) per wall second; `server_cpu_share`: the ClickHouse server's (the writer's inserts and
   the watcher's queries), when this run started it; `writer_cpu_share`, `writer_lag_max_s` (how
@@ -279,6 +281,7 @@ def watch(args: argparse.Namespace, workdir: Path, url: str, server_pid: int | N
     time.sleep(max(0.0, (wall0_us - now_us()) / 1e6))
     say(f"streaming and watching for {args.duration_s:.0f} s")
     end_us = sim_t0() + int(args.duration_s * 1e6)
+    load0 = os.getloadavg()[0]
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     server0, wall0 = server_cpu_s(server_pid), time.monotonic()
     fleet.start()
@@ -355,6 +358,7 @@ def watch(args: argparse.Namespace, workdir: Path, url: str, server_pid: int | N
         "store": ("clickhouse server (started by this run)" if server_pid
                   else "clickhouse server"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "date": time.strftime("%Y-%m-%d"),
     }
 
