@@ -1,6 +1,7 @@
 """The watcher driven step by step over a real store (the server and the embedded engine), on a
 clock the test moves: a job that reports like one under `tracehound instrument`
-(`watch_fakes.ReportingJob`), with the faults injected into what it reports. The real multi-process job is test_watch_e2e's.
+(`watch_fakes.ReportingJob`), with the faults injected into what it reports. The real
+multi-process job is test_watch_e2e's.
 
 What is checked: a stopped rank becomes one incident whose command runs once; the job's states
 and its end (exited, or stopped reporting) with how long; Slurm's drain and requeue, and the next
