@@ -248,11 +248,12 @@ class Watcher(Supervisor):
         self._watch: AttemptWatch | None = None
         self._watch_began_us = 0
         self._acted: set[tuple[object, ...]] = set()
-        """Episodes whose acting plan was dealt with (carried out, or recorded as not done)."""
+        """Faults (kind, culprit ranks) whose acting plan was dealt with (carried out, or
+        recorded as not done) since the job was last calm."""
         self._ending: tuple[AttemptEnd, int] | None = None
-        self._hung_waits: set[tuple[object, ...]] = set()
-        """(culprit ranks, group, seq) of the waits recorded as hard incidents: the same wait
-        seen as a stall as its rank goes on again is no new incident."""
+        self._hung: set[tuple[int, ...]] = set()
+        """The culprit ranks of the hard incidents since the job was last calm: a stall of the
+        same ranks is their hang ending (the rank goes on again), no new incident."""
         self._unresolved: list[Incident] = []
         """Hard incidents (not soft faults, not stalls) of the watched attempt that the job has
         not recovered from yet (it has not been calm for a window since)."""
@@ -419,6 +420,9 @@ class Watcher(Supervisor):
                             detail=f"attempt {attempt} reports: restarted by its launcher while "
                                    "no watcher watched it" if picked_up else
                                    f"attempt {attempt} reports")
+        if not picked_up:
+            self._acted.clear()  # another attempt: its faults are new
+            self._hung.clear()
         self._adopting = None
         self._unresolved = [i for i in self._unresolved if i.attempt == attempt]
         now = self.clock()
@@ -535,6 +539,8 @@ class Watcher(Supervisor):
                 self._state.state is JobPhase.RUNNING):
             self._resolve_open()  # the job trains again: its incidents resolve
             self._unresolved = []
+            self._acted.clear()  # a fault seen again from now on is a new one
+            self._hung.clear()
         if outcome is GO_ON and snapshot is not None:
             end = attempt_end(snapshot, watch.rank_nodes, now_us=now,
                               silent_after_s=self.watch_settings.silent_after_s)
@@ -546,26 +552,27 @@ class Watcher(Supervisor):
                               self.watch_settings.end_grace_s)
 
     def _act_on(self, verdict: Verdict, steps: tuple[PlannedAction, ...]) -> None:
-        """A verdict the policy would act on: dealt with once per episode."""
-        key = _episode(verdict)
+        """A verdict the policy would act on: dealt with once until the job is calm again. (Its
+        kind and culprits name it: as more peers reach the collective they wait in, the
+        evidence changes, the fault does not.)"""
+        key = _fault(verdict.kind.value, verdict.culprit_ranks)
         if key in self._acted:
             return
         self._acted.add(key)
-        self._recorded.add(key)
+        self._recorded.add(_episode(verdict))
         self._recover(verdict, steps)
 
     def _recover(self, verdict: Verdict, plan: tuple[PlannedAction, ...]) -> str | None:
         """The incident, with the action port's steps for the policy's plan."""
-        wait = _episode(verdict)[1:]
-        if verdict.kind is IncidentKind.STALL and wait in self._hung_waits:
+        ranks = tuple(int(r) for r in verdict.culprit_ranks)
+        if verdict.kind is IncidentKind.STALL and ranks in self._hung:
             # the hung rank goes on (SIGCONT, a blip that passed): for a moment it reports
             # outside collectives while its peers still wait where the hang held them
-            self.log.info("rank %s goes on: the wait of its peers in #%s of group %s (a hang "
-                          "already recorded) ends", ", ".join(map(str, verdict.culprit_ranks)),
-                          wait[2], wait[1])
+            self.log.info("rank %s goes on: its peers' wait (a hang already recorded) ends",
+                          ", ".join(map(str, ranks)))
             return None
-        if verdict.kind is not IncidentKind.STALL:
-            self._hung_waits.add(wait)
+        if _kind(verdict.kind.value) not in _QUIET_KINDS:
+            self._hung.add(ranks)
         steps = self.actions.plan(verdict, plan)
         gave_up = super()._recover(verdict, steps)
         incident = self._incidents[-1]
@@ -653,10 +660,10 @@ class Watcher(Supervisor):
         if _kind(full.kind) not in _QUIET_KINDS:
             self._unresolved.append(full)
         key = episode_of(full)  # dealt with now: not again when its attempt is adopted
-        self._acted.add(key)
+        self._acted.add(_fault(full.kind, full.culprit_ranks))
         self._recorded.add(key)
-        if _kind(full.kind) is not IncidentKind.STALL:
-            self._hung_waits.add(key[1:])
+        if _kind(full.kind) not in _QUIET_KINDS:
+            self._hung.add(tuple(int(r) for r in full.culprit_ranks))
         for action in actions:
             self._action_event(action)
         self._after_plan(full, plan)
@@ -664,15 +671,17 @@ class Watcher(Supervisor):
             self._adopting = None  # requeued: the next attempt is a new one
 
     def _remember(self, history: History, attempt: int) -> None:
-        """The incidents of the adopted attempt: recorded and dealt with, not again."""
+        """The incidents of the adopted attempt: recorded, and, unless the job was calm again
+        since (running), dealt with: not again."""
         self._remember_watched(history, attempt)
+        calm = self._state is not None and self._state.state is JobPhase.RUNNING
         for incident in history.incidents:
             if incident.attempt != attempt:
                 continue
-            if _dealt_with(incident):
-                self._acted.add(episode_of(incident))
-            if _kind(incident.kind) is not IncidentKind.STALL:
-                self._hung_waits.add(episode_of(incident)[1:])
+            if _dealt_with(incident) and not calm:
+                self._acted.add(_fault(incident.kind, incident.culprit_ranks))
+            if _kind(incident.kind) not in _QUIET_KINDS and not calm:
+                self._hung.add(tuple(int(r) for r in incident.culprit_ranks))
 
     # -- the end ----------------------------------------------------------------------------------
     def _step_ending(self) -> None:
@@ -759,6 +768,11 @@ def _culprits(incident: Incident) -> str:
     ranks = ", ".join(str(r) for r in incident.culprit_ranks)
     nodes = ", ".join(incident.culprit_nodes)
     return f"rank{'s' if len(incident.culprit_ranks) > 1 else ''} {ranks} on {nodes}"
+
+
+def _fault(kind: str, culprit_ranks: tuple[int, ...]) -> tuple[object, ...]:
+    """What a verdict the policy acts on is about, for `Watcher._act_on`."""
+    return (kind, tuple(int(r) for r in culprit_ranks))
 
 
 def _dealt_with(incident: Incident) -> bool:
