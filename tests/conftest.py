@@ -86,7 +86,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 E2E_PROGRAMS = ("torchrun", "chromium", "streamlit", "tracehound.agent.node",
                 "tracehound.agent.rank.warmspare", "coverage_job.py", "busy_train.py",
                 "torchrun_job.py", "train_ddp.py", "train_sharded.py", "overhead_job.py",
-                "munged", "slurmctld", "slurmd", "sbatch", "srun")
+                "munged", "slurmctld", "slurmd", "sbatch", "srun", "watched_job.py")
 """What only an `e2e` test may start: training jobs, node agents, warm spares, the dashboard's
 server, a browser, the Slurm test cluster's daemons and jobs."""
 E2E_COMMANDS = ("run", "demo", "instrument", "agent", "ui", "operator")

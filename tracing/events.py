@@ -349,6 +349,9 @@ class ActionKind(enum.StrEnum):
     RESUMED = "resumed"
     """The restarted job made its first step on every rank; the detail says where the
     restart's time went (`controller.restarts`)."""
+    COMMAND = "command"
+    """The watcher's `--on-incident` command ran for the incident (`tracehound watch`); the
+    detail gives its exit status and the tail of its output."""
     ALERT = "alert"
     """An alert about the incident reached a receiver, or was set aside for good; the target is
     the receiver's name, the detail says which alert (firing, resolved) and what became of it.

@@ -278,8 +278,10 @@ class NodeAgent:
             server.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        if self.watcher is not None and not self.watcher.stop(timeout_s=1.0):
-            self.log.warning("the process watcher did not stop within 1s")
+        if self.watcher is not None:
+            if not self.watcher.stop(timeout_s=1.0):
+                self.log.warning("the process watcher did not stop within 1s")
+            self.watcher.last_look()  # ranks that ended since its last round: reported gone
         if self.sources is not None and not self.sources.stop(timeout_s=2.0):
             self.log.warning("the source poller did not stop within 2s")
         deadline = time.monotonic() + drain_s

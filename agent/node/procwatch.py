@@ -544,6 +544,24 @@ class ProcWatcher:
     def tick(self) -> None:
         """One round: read every watched process, emit the samples, capture the due stacks."""
         self._read_launches()
+        work = self._sample()
+        if self.capturing:
+            self._capture_due(work)
+
+    def last_look(self) -> None:
+        """One more round of samples, no stacks, once the thread is stopped: a rank that ended
+        since the last round is reported gone before the agent ships its last records (a
+        launcher that stops the agent as soon as its ranks exit would leave them unreported, and
+        a watcher could not tell that they exited). Never raises."""
+        if not self.sampling:
+            return
+        try:
+            self._sample()
+        except Exception as exc:
+            self.log.warning("last process round failed: %r", exc)
+
+    def _sample(self) -> list[tuple[_Key, _Watched, int]]:
+        """Read every watched process and emit the samples; the processes read."""
         with self._lock:
             work = [(k, w, w.hb.pid) for k, w in self._ranks.items() if not w.gone]
         samples: list[Record] = []
@@ -564,8 +582,7 @@ class ProcWatcher:
                 samples.append(sample)
         if samples and self._emit(samples):
             self.stats.process_samples += len(samples)
-        if self.capturing:
-            self._capture_due(work)
+        return work
 
     def _account(self, watched: _Watched, reading: ProcReading | None, now: int) -> ProcessSample:
         hb, previous = watched.hb, watched.previous

@@ -1,1 +1,3 @@
-"""What the watcher does to a job and its nodes in the systems that run them (Slurm: `scontrol`)."""
+"""What `tracehound watch` does about an incident of a job it did not launch: the action port
+(`port`) and its adapters, observe (`observe`, the default), a user's command (`command`,
+`--on-incident`) and Slurm (`slurm`, `--slurm`, through `scontrol`: drain, requeue, cancel)."""

@@ -11,6 +11,12 @@ recorder installed into every Python process it starts (torchrun's ranks include
 ends stops the agent after it shipped what it holds. It does not restart anything: it records.
 When CMD fails it prints the stored diagnosis. Ctrl-C is passed on to CMD, which decides how to
 stop (torchrun stops its ranks); the agent still ships what it got.
+
+Inside a Slurm job both take their defaults from Slurm, so that every node of the job records
+under one job id and `tracehound watch --slurm` can act on it: the job id is `slurm-$SLURM_JOB_ID`,
+the node is `$SLURMD_NODENAME` (the name `scontrol` drains), and a requeued job's
+`$SLURM_RESTART_COUNT` is its attempt. `--job`, `--node` and the TRACEHOUND_* variables override
+them.
 """
 
 from __future__ import annotations
@@ -70,9 +76,11 @@ def add_parsers(sub: Any, store_arg: Callable[[argparse.ArgumentParser], None]) 
         epilog=EPILOG_INSTRUMENT, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     inst.add_argument("--job", help=f"job id (default: ${env.TRACEHOUND_JOB_ID}, else "
+                                    "slurm-$SLURM_JOB_ID inside a Slurm job, else "
                                     "job-<date>-<time>)")
     inst.add_argument("--node", help=f"this node's name (default: ${env.TRACEHOUND_NODE_ID}, "
-                                     "else the host name)")
+                                     "else $SLURMD_NODENAME inside a Slurm job, else the host "
+                                     "name)")
     inst.add_argument("--workdir", type=Path, default=None,
                       help="spool and agent log (default: .tracehound/instrument/JOB)")
     inst.add_argument("--gpu", choices=env.GPU_BACKENDS, default=None,
@@ -100,15 +108,36 @@ def cmd_agent(args: argparse.Namespace) -> NoReturn:
 
 
 def _job(args: argparse.Namespace) -> str:
+    """--job, else $TRACEHOUND_JOB_ID, else inside a Slurm allocation `slurm-$SLURM_JOB_ID`
+    (the same on every node of the job, and the id `tracehound watch --slurm` acts on), else
+    job-<date>-<time>."""
+    slurm_job = os.environ.get("SLURM_JOB_ID", "")
     return str(args.job or env.env_str(env.TRACEHOUND_JOB_ID)
+               or (f"slurm-{slurm_job}" if slurm_job else "")
                or time.strftime("job-%Y%m%d-%H%M%S"))
+
+
+def _node(args: argparse.Namespace) -> str:
+    """--node, else $TRACEHOUND_NODE_ID, else Slurm's name of this node ($SLURMD_NODENAME: the
+    name `scontrol` drains), else the host name."""
+    return str(args.node or env.env_str(env.TRACEHOUND_NODE_ID)
+               or os.environ.get("SLURMD_NODENAME", "") or socket.gethostname())
+
+
+def _attempt_env() -> dict[str, str]:
+    """Inside a Slurm job that was requeued, its restart count as the attempt (unless
+    $TRACEHOUND_ATTEMPT says otherwise): the requeued run is the job's next attempt."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "")
+    if restarts.isdigit() and not os.environ.get(env.TRACEHOUND_ATTEMPT):
+        return {env.TRACEHOUND_ATTEMPT: restarts}
+    return {}
 
 
 def cmd_instrument(args: argparse.Namespace) -> int:
     from tracehound.controller.cli.session import store_session
 
     job = _job(args)
-    node = str(args.node or env.env_str(env.TRACEHOUND_NODE_ID) or socket.gethostname())
+    node = _node(args)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -116,7 +145,8 @@ def cmd_instrument(args: argparse.Namespace) -> int:
         # the agent's own default socket, so `tracehound agent --job J` with the same job and
         # node listens where these ranks look
         shared = f"/tmp/tracehound-{job}-{node}.sock"
-        for key, value in recorder_env(job=job, node=node, socket_path=shared).items():
+        variables = {**recorder_env(job=job, node=node, socket_path=shared), **_attempt_env()}
+        for key, value in variables.items():
             print(f"export {key}={shlex.quote(value)}")
         print(f"# and on this node: tracehound agent --job {shlex.quote(job)} "
               f"--node {shlex.quote(node)} --sink URL")
@@ -139,7 +169,8 @@ def cmd_instrument(args: argparse.Namespace) -> int:
                                      start_new_session=True,
                                      env={**os.environ, env.TRACEHOUND_SINK: session.sink})
         try:
-            code = _run_command(command, recorder_env(job=job, node=node, socket_path=sock))
+            code = _run_command(command, {**recorder_env(job=job, node=node, socket_path=sock),
+                                          **_attempt_env()})
         finally:
             agent.send_signal(signal.SIGTERM)
             try:

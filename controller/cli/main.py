@@ -12,6 +12,7 @@
     tracehound simulate   write a simulated job's traces (with a fault) to a store
     tracehound agent      run a node agent on its own (torchrun, srun, Ray, Kubernetes)
     tracehound instrument run a command (torchrun ...) with the recorder in every rank
+    tracehound watch      watch jobs Tracehound did not launch: incidents, alerts, actions
 
 Exit status: 0 on success, 1 when the job (or the demo) failed, 2 for bad usage or a store that
 cannot be used, 130 when interrupted.
@@ -40,6 +41,7 @@ from tracehound.controller.cli import (
     stacks,
     status,
     tracefiles,
+    watch,
 )
 from tracehound.controller.cli import run as run_command
 from tracehound.controller.cli.options import store_arg
@@ -74,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     operator.add_parser(sub, store_arg)
     bundle.add_parser(sub)
     dashboard.add_parser(sub, store_arg)
+    watch.add_parser(sub)
     return parser
 
 

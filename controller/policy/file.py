@@ -45,6 +45,7 @@ from tracehound.controller.policy.recovery import (
     PolicySettings,
     Response,
     Uncertain,
+    WatchActions,
 )
 from tracehound.tracing.errors import shown
 from tracehound.tracing.events import IncidentKind
@@ -187,6 +188,12 @@ _SETTINGS: Final[Mapping[str, _Field]] = {
         "watch (evict nobody) or isolate_group (evict the nodes of the smallest parallel "
         "group holding the culprit ranks, when the spares and isolation limits allow).",
         Uncertain),
+    "watch_actions": _choice(
+        "How `tracehound watch` acts on a job Tracehound did not launch: observe (record "
+        "incidents and what the policy would do, never touch the job) or slurm (through "
+        "scontrol: drain the culprit nodes, then requeue or cancel the job as the plan says; "
+        "the same as --slurm). tracehound run and the operator ignore it.",
+        WatchActions),
 }
 """Every top-level key but `version` and `rules`, named as the `PolicySettings` field it sets."""
 

@@ -149,6 +149,17 @@ class Uncertain(enum.StrEnum):
     Never for a kind that never evicts, an unlocalized verdict or a rank alive and busy."""
 
 
+class WatchActions(enum.StrEnum):
+    """How `tracehound watch` acts on a job Tracehound did not launch (`tracehound run` and the
+    operator act through their own orchestrator and ignore it)."""
+
+    OBSERVE = "observe"
+    """Record incidents and what the policy would do; never touch the job."""
+    SLURM = "slurm"
+    """Through Slurm's scontrol: drain the culprit nodes, then requeue or cancel the job, as
+    the plan says (`tracehound watch --slurm` asks for the same)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicySettings:
     """Every threshold of the recovery policy (see the module docstring). The policy file
@@ -182,6 +193,8 @@ class PolicySettings:
     """What to do about a localized verdict not sure enough to evict its culprits' node."""
     rules: Mapping[IncidentKind, KindRule] = field(default_factory=_default_rules)
     """The rule of each verdict kind; kinds left out get `KindRule()`."""
+    watch_actions: WatchActions = WatchActions.OBSERVE
+    """How `tracehound watch` carries out the plan for a job it did not launch."""
 
     def rule(self, kind: IncidentKind) -> KindRule:
         """The rule for verdicts of `kind`."""

@@ -51,7 +51,10 @@ NEXT: dict[JobPhase, frozenset[JobPhase]] = {
                                  JobPhase.DIAGNOSING, JobPhase.RESTARTING, *TERMINAL}),
     JobPhase.STALLED: frozenset({JobPhase.RUNNING, JobPhase.SUSPECT, JobPhase.STALLED,
                                  JobPhase.DIAGNOSING, JobPhase.RESTARTING, *TERMINAL}),
-    JobPhase.DIAGNOSING: frozenset({JobPhase.ISOLATING, JobPhase.RESTARTING, *TERMINAL}),
+    # (suspect or stalled: a watcher that can only observe, or run a command, leaves the job
+    # running as it is once the plan is carried out)
+    JobPhase.DIAGNOSING: frozenset({JobPhase.ISOLATING, JobPhase.RESTARTING, JobPhase.SUSPECT,
+                                    JobPhase.STALLED, *TERMINAL}),
     JobPhase.ISOLATING: frozenset({JobPhase.RESTARTING, *TERMINAL}),
     JobPhase.RESTARTING: frozenset({JobPhase.RUNNING, *TERMINAL}),
     JobPhase.FINISHED: frozenset({JobPhase.RUNNING}),

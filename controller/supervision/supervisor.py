@@ -22,17 +22,19 @@ Time and sleep are injected, so the loop can be driven step by step in tests.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Final
 
 import msgspec
 
 from tracehound.analysis.diagnose import diagnose_with_records
-from tracehound.analysis.observation import load_observation
+from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.rhythm import (
     EXPECTED_PAUSE,
     Pause,
@@ -175,6 +177,35 @@ class PollView:
     orchestrator: Orchestrator
 
 
+class _GoOn(enum.Enum):
+    GO_ON = "go on"
+
+
+GO_ON: Final = _GoOn.GO_ON
+"""What `Supervisor._poll` returns while the attempt goes on."""
+
+
+@dataclass(slots=True, kw_only=True)
+class AttemptWatch:
+    """What the supervisor keeps between the polls of one attempt."""
+
+    plan: AttemptPlan
+    started_us: int
+    """When the run started (the attempt's `timeout_s` counts from here)."""
+    rank_nodes: dict[int, str]
+    """Rank -> node of every rank the attempt is expected to have."""
+    trains_since_us: int
+    """The attempt's launch, until every rank's first step is seen; then that step's end."""
+    clean: set[int] = field(default_factory=set)
+    """Ranks that exited cleanly."""
+    last_summaries_us: int = 0
+    warmed: bool = False
+    settled_at_us: int | None = None
+    """When the first failed exit has settled (the crash detector waits that long)."""
+    snapshot: JobSnapshot | None = None
+    """The snapshot the latest poll read."""
+
+
 class Detached(Exception):
     """Raised by a supervisor's `sleep` to leave the job as it is: the ranks keep running, no
     state is written, and a later supervisor on the same store picks the job up (the
@@ -238,6 +269,8 @@ class Supervisor:
         """Incidents announced louder than their kind's default (a stall past the policy's
         `stall_alert_after_s`): their resolution goes out as loud."""
         self._soft_quiet_until = 0
+        self.controller = controller_id()
+        """Who writes this supervisor's job states (`JobState.controller`)."""
         self.pool = NodePool(
             [NodeId(n) for n in spec.pool]
             or [NodeId(f"node-{i}") for i in range(spec.nnodes + spec.spare_nodes)]
@@ -387,7 +420,7 @@ class Supervisor:
             job=self.spec.job, time_us=self.clock(), seq=self._seq, state=phase, attempt=attempt,
             incident_id=incident_id, nodes=tuple(self.pool.current if nodes is None else nodes),
             isolated=tuple(sorted(self.pool.isolated)),
-            plan=plan_to_json(plan) if plan else "", detail=detail, controller=controller_id(),
+            plan=plan_to_json(plan) if plan else "", detail=detail, controller=self.controller,
         )
         self._state = state
         return state
@@ -512,10 +545,22 @@ class Supervisor:
         taken = [a for a in history.actions_of(latest.incident_id)
                  if ActionKind(a.kind) is not ActionKind.ALERT]
         self.orch.kill_leftovers(latest.attempt)  # stopped or not: that attempt is over
-        self._carry_out(latest.incident_id, latest.attempt, plan,
+        self._carry_out(self._incident_of(history, latest), latest.attempt, plan,
                         after_us=max((a.time_us for a in taken), default=0),
                         done=done_steps(plan, taken), picked_up=True)
         return _gave_up(plan)
+
+    def _incident_of(self, history: History, state: JobState) -> Incident:
+        """The incident a state acts on, as stored or journaled (its id alone, with the state's
+        attempt and time, when neither holds it any more)."""
+        known = history.incident(state.incident_id)
+        if known is not None:
+            return known
+        self.log.warning("incident %s of state %s is neither stored nor journaled",
+                         state.incident_id, state.state.value)
+        return Incident(job=self.spec.job, incident_id=state.incident_id, attempt=state.attempt,
+                        detected_at_us=state.time_us, kind="", culprit_ranks=(),
+                        culprit_nodes=(), confidence=0.0, summary="", verdict_json="{}")
 
     # -- one attempt ---------------------------------------------------------------------------
     def _supervise(
@@ -524,99 +569,116 @@ class Supervisor:
         """None when the attempt finished cleanly, a verdict and the plan that acts on it when it
         failed, or a reason to stop. Verdicts whose plan only observes are recorded and the
         attempt goes on."""
-        clean: set[int] = set()
-        rank_nodes = plan.rank_nodes()
-        last_summaries_us = 0
-        timeout_us = (
-            int(self.settings.timeout_s * 1e6) if self.settings.timeout_s is not None else None
-        )
-        warmed = False
-        trains_since_us = started_us  # its launch, until every rank's first step is seen
-        settled_at_us: int | None = None
-        """When the first failed exit has settled (the crash detector waits that long)."""
+        watch = AttemptWatch(plan=plan, started_us=started_us, rank_nodes=plan.rank_nodes(),
+                             trains_since_us=started_us)
         while True:
             wait_s = self.settings.poll_s  # woken at once when a rank exits
-            if settled_at_us is not None:  # and when its exits have settled
-                wait_s = min(wait_s, max(0.0, (settled_at_us - self.clock()) / 1e6) + 0.005)
+            if watch.settled_at_us is not None:  # and when its exits have settled
+                wait_s = min(wait_s, max(0.0, (watch.settled_at_us - self.clock()) / 1e6) + 0.005)
             exited = self.orch.wait_exit(wait_s, self.sleep)
-            for exit_ in self.orch.poll_exits():
-                self._record_exit(exit_)
-                if exit_.exit_code == 0:
-                    clean.add(exit_.rank)
-                elif settled_at_us is None:
-                    settled_at_us = exit_.time_us + int(
-                        self.settings.detection.crash.settle_s * 1e6)
-            if len(clean) == plan.world_size:
-                self._record_held(None, final=True)
-                self._settle_ended(now_us=None)
-                self._measure_restart(plan, None)
-                self._resolve_open()
-                return None
-            now = self.clock()
-            if timeout_us is not None and now - started_us > timeout_us:
-                return f"timed out after {self.settings.timeout_s:.0f} s"
-            # a poll woken by an exit reads no window summaries: a crash needs none of them
-            judged_from_us = trains_since_us + int(self.settings.warmup_s * 1e6)
-            refresh = not exited and summaries_due(self.settings, now_us=now,
-                                                   judged_from_us=judged_from_us,
-                                                   last_us=last_summaries_us)
-            # the exits go to the store before the snapshot is read: read first, a crash would
-            # wait a poll to be seen
-            exits_stored = self._exits_stored()
-            try:
-                obs = load_observation(
-                    self.store, job=plan.job, attempt=plan.attempt, now_us=now,
-                    window_s=self.settings.window_s, expected_ranks=rank_nodes,
-                    summaries=refresh, since_us=judged_from_us,
-                    uneven_ops=self.settings.detection.mismatch.size_exempt_ops,
-                )
-                if refresh:
-                    last_summaries_us = now
-            except TemporaryStoreError as exc:
-                self.log.warning("store unavailable, analysis paused: %s", exc)
-                continue
-            self._measure_restart(plan, obs.snapshot)
-            trained = None if warmed else _trains_since_us(obs.snapshot)
-            if trained is not None:
-                warmed = True
-                trains_since_us = trained
-                self.orch.warm_up()  # spares for the next attempt, now that this one trains
-            if not exits_stored:
-                continue
-            if self.observer is not None:
-                self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
-            verdict, obs = diagnose_with_records(self.store, obs, self.settings.detection)
-            self._stacks = obs.snapshot.stacks
-            self._pause_ended(verdict, now)
-            self._record_held(verdict)
-            self._settle_ended(now)
-            self._calm(plan.attempt, verdict, now)
-            if verdict is None or not self._soft_gate(verdict, now):
-                continue
-            self._last_snapshot = obs.snapshot
-            steps = self._plan(verdict, now)
-            if not observe_only(steps):
-                self._settle_ended(now_us=None)  # the attempt ends here: nothing left waiting
-                return verdict, steps
-            key = _episode(verdict)
-            if verdict.kind is IncidentKind.STALL:
-                self._follow_pause(verdict, now)
-            if key not in self._recorded and self._awaits_stack(verdict, now):
-                if self._held is None:
-                    self.log.info("stall of rank %d seen; recorded once a stack of it taken "
-                                  "since its peers began to wait is in, or within %.0f s",
-                                  verdict.culprit_ranks[0], self.settings.stall_stack_wait_s)
-                self._held = (verdict, steps)
-                continue
-            self._held = None
-            if key not in self._recorded and self._expected_pause(verdict):
-                continue  # the job's rhythm: noted on the job, no incident
-            if verdict.kind in SOFT_KINDS or key not in self._recorded:
-                self._recorded.add(key)
-                self._recover(self._with_history(verdict), steps)  # observed only
-                if verdict.kind is IncidentKind.STALL and self._pause is not None:
-                    self._pause.incident = self._incidents[-1]
-            self._alert_long_stall()
+            outcome = self._poll(watch, exited=exited)
+            if outcome is not GO_ON:
+                return outcome
+
+    def _poll(self, watch: AttemptWatch, *, exited: bool
+              ) -> tuple[Verdict, tuple[PlannedAction, ...]] | str | _GoOn | None:
+        """One poll of the attempt `watch` follows: its new exits recorded, a snapshot read and
+        diagnosed, an observed verdict recorded. `GO_ON` while the attempt goes on; else what
+        `_supervise` returns. `exited`: the poll was woken by a rank's exit."""
+        plan = watch.plan
+        for exit_ in self.orch.poll_exits():
+            self._record_exit(exit_)
+            if exit_.exit_code == 0:
+                watch.clean.add(exit_.rank)
+            elif watch.settled_at_us is None:
+                watch.settled_at_us = exit_.time_us + int(
+                    self.settings.detection.crash.settle_s * 1e6)
+        if watch.rank_nodes and len(watch.clean) == len(watch.rank_nodes):
+            self._record_held(None, final=True)
+            self._settle_ended(now_us=None)
+            self._measure_restart(plan, None)
+            self._resolve_open()
+            return None
+        now = self.clock()
+        if self.settings.timeout_s is not None and (
+                now - watch.started_us > int(self.settings.timeout_s * 1e6)):
+            return f"timed out after {self.settings.timeout_s:.0f} s"
+        # a poll woken by an exit reads no window summaries: a crash needs none of them
+        judged_from_us = watch.trains_since_us + int(self.settings.warmup_s * 1e6)
+        refresh = not exited and self._summaries_due(now, judged_from_us,
+                                                     watch.last_summaries_us)
+        # the exits go to the store before the snapshot is read: read first, a crash would
+        # wait a poll to be seen
+        exits_stored = self._exits_stored()
+        try:
+            obs = self._observe(watch, now_us=now, summaries=refresh,
+                                since_us=judged_from_us)
+            if refresh:
+                watch.last_summaries_us = now
+        except TemporaryStoreError as exc:
+            self.log.warning("store unavailable, analysis paused: %s", exc)
+            return GO_ON
+        watch.snapshot = obs.snapshot
+        self._measure_restart(plan, obs.snapshot)
+        trained = None if watch.warmed else _trains_since_us(obs.snapshot)
+        if trained is not None:
+            watch.warmed = True
+            watch.trains_since_us = trained
+            self.orch.warm_up()  # spares for the next attempt, now that this one trains
+        if not exits_stored:
+            return GO_ON
+        if self.observer is not None:
+            self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
+        verdict, obs = diagnose_with_records(self.store, obs, self.settings.detection)
+        self._stacks = obs.snapshot.stacks
+        self._pause_ended(verdict, now)
+        self._record_held(verdict)
+        self._settle_ended(now)
+        self._calm(plan.attempt, verdict, now)
+        if verdict is None or not self._soft_gate(verdict, now):
+            return GO_ON
+        self._last_snapshot = obs.snapshot
+        steps = self._plan(verdict, now)
+        if not observe_only(steps):
+            self._settle_ended(now_us=None)  # the attempt ends here: nothing left waiting
+            return verdict, steps
+        key = _episode(verdict)
+        if verdict.kind is IncidentKind.STALL:
+            self._follow_pause(verdict, now)
+        if key not in self._recorded and self._awaits_stack(verdict, now):
+            if self._held is None:
+                self.log.info("stall of rank %d seen; recorded once a stack of it taken "
+                              "since its peers began to wait is in, or within %.0f s",
+                              verdict.culprit_ranks[0], self.settings.stall_stack_wait_s)
+            self._held = (verdict, steps)
+            return GO_ON
+        self._held = None
+        if key not in self._recorded and self._expected_pause(verdict):
+            return GO_ON  # the job's rhythm: noted on the job, no incident
+        if verdict.kind in SOFT_KINDS or key not in self._recorded:
+            self._recorded.add(key)
+            recorded = len(self._incidents)
+            self._recover(self._with_history(verdict), steps)  # observed only
+            if (verdict.kind is IncidentKind.STALL and self._pause is not None
+                    and len(self._incidents) > recorded):
+                self._pause.incident = self._incidents[-1]
+        self._alert_long_stall()
+        return GO_ON
+
+    def _observe(self, watch: AttemptWatch, *, now_us: int, summaries: bool,
+                 since_us: int) -> Observation:
+        """What the poll at `now_us` reads of the attempt (`load_observation`)."""
+        return load_observation(
+            self.store, job=watch.plan.job, attempt=watch.plan.attempt, now_us=now_us,
+            window_s=self.settings.window_s, expected_ranks=watch.rank_nodes,
+            summaries=summaries, since_us=since_us,
+            uneven_ops=self.settings.detection.mismatch.size_exempt_ops,
+        )
+
+    def _summaries_due(self, now_us: int, judged_from_us: int, last_us: int) -> bool:
+        """Whether this poll reads the window summaries too (`summaries_due`)."""
+        return summaries_due(self.settings, now_us=now_us, judged_from_us=judged_from_us,
+                             last_us=last_us)
 
     def _follow_pause(self, verdict: Verdict, now_us: int) -> None:
         """Follow the stall episode of `verdict`: where its lead rank is and how long its peers
@@ -881,7 +943,7 @@ class Supervisor:
                 self.log.warning("no parallel group to over-evict: %s", exc)
         return plan_recovery(
             verdict, restarts_done=verdict.attempt,
-            healthy_spares=len(self.pool.healthy_spares()), settings=self.settings.policy,
+            healthy_spares=self._healthy_spares(), settings=self.settings.policy,
             times_seen=self._times_seen(verdict) if verdict.kind in SOFT_KINDS else 1,
             watched_s=(now_us - first) / 1e6,
             restarts_last_hour=sum(t > hour_ago for t in self._restart_times),
@@ -889,6 +951,10 @@ class Supervisor:
             isolations_last_hour=sum(t > hour_ago for t in self._isolation_times),
             group_nodes=group_nodes,
         )
+
+    def _healthy_spares(self) -> int:
+        """Nodes that could replace isolated ones (the policy evicts no more than that)."""
+        return len(self.pool.healthy_spares())
 
     def _times_seen(self, verdict: Verdict) -> int:
         return self._soft_seen.get((verdict.kind.value, verdict.culprit_nodes), 1)
@@ -946,16 +1012,17 @@ class Supervisor:
                 incident_id=incident_id, attempt=verdict.attempt + 1,
                 fault_us=fault_time(verdict, self._last_snapshot), detected_us=detected,
             )
-        actions = self._carry_out(incident_id, verdict.attempt, plan, after_us=detected)
+        actions = self._carry_out(incident, verdict.attempt, plan, after_us=detected)
         self._incidents.append(msgspec.structs.replace(incident, actions=tuple(actions)))
         return _gave_up(plan)
 
-    def _carry_out(self, incident_id: str, attempt: int, plan: tuple[PlannedAction, ...], *,
+    def _carry_out(self, incident: Incident, attempt: int, plan: tuple[PlannedAction, ...], *,
                    after_us: int, done: Sequence[bool] = (),
                    picked_up: bool = False) -> list[Action]:
         """Take the plan's steps (but those `done` already), each recorded as an action of the
         incident at a time after `after_us` and the previous one's, so that they read back in
         order. `picked_up`: an earlier controller's plan, whose attempt is already killed."""
+        incident_id = incident.incident_id
         actions: list[Action] = []
         at = after_us
         for step, already in zip(plan, done or [False] * len(plan), strict=True):
@@ -969,7 +1036,7 @@ class Supervisor:
                 ok, detail = True, (f"stopped (what was left of it) by a controller started "
                                     f"again; {step.reason}")
             else:
-                ok, detail = self._act(step)
+                ok, detail = self._act(step, incident)
             at = max(self.clock(), at + 1)
             action = Action(job=self.spec.job, incident_id=incident_id, kind=step.kind,
                             target=step.target, time_us=at, ok=ok,
@@ -989,7 +1056,8 @@ class Supervisor:
         except OSError as exc:
             self.log.warning("could not keep the evidence of %s in %s: %s", incident_id, path, exc)
 
-    def _act(self, step: PlannedAction) -> tuple[bool, str]:
+    def _act(self, step: PlannedAction, incident: Incident) -> tuple[bool, str]:
+        """Take one step of an incident's plan; (whether it was done, what was done)."""
         # Not acting is news too: whoever reads the log must see why the job was left running.
         level = logging.WARNING if step.kind is ActionKind.OBSERVE else logging.INFO
         self.log.log(level, "action %s %s: %s", step.kind.value, step.target, step.reason)

@@ -569,6 +569,21 @@ def test_samples_rates_gone_and_reused_pid() -> None:
     assert rig.capturer.calls == []
 
 
+def test_a_last_look_reports_ranks_that_ended_since_the_last_round_gone_once() -> None:
+    # a launcher that stops the agent as its ranks exit (tracehound instrument) gives the
+    # watcher no later round: the last look is what tells a watcher that they exited
+    rig = Rig(stack_after_s=0)
+    rig.at(0, beat(pid=100, time_us=T0, rank=0), beat(pid=101, time_us=T0, rank=1))
+    rig.reader.readings[100] = None  # ended after that round
+    rig.clock.now = T0 + S // 2
+    rig.watcher.last_look()
+    rig.watcher.last_look()
+    assert [(s.rank, s.state) for s in rig.samples()] == [(0, "S"), (1, "S"), (0, "gone"),
+                                                          (1, "S"), (1, "S")]
+    assert rig.capturer.calls == []
+    Rig(proc_interval_s=0).watcher.last_look()  # sampling off: nothing to look at, no error
+
+
 def test_newer_attempt_replaces_the_older_ones_ranks() -> None:
     rig = Rig(stack_after_s=2, stack_min_gap_s=5)
     rig.at(0, beat(pid=100, time_us=T0), beat(pid=101, rank=1, time_us=T0))

@@ -70,3 +70,29 @@ def test_env_prints_the_variables(tmp_path: Path) -> None:
     assert lines["TRACEHOUND_JOB_ID"] == "exp7" and lines["TRACEHOUND_NODE_ID"] == "n3"
     assert lines["TRACEHOUND_AGENT_SOCKET"] == "/tmp/tracehound-exp7-n3.sock"
     assert lines["PYTHONPATH"].split(os.pathsep)[0].endswith("_bootstrap")
+
+
+def test_inside_a_slurm_job_the_defaults_are_slurms(tmp_path: Path) -> None:
+    # every node of a Slurm job records under one job id, named as `tracehound watch --slurm`
+    # finds its Slurm job; nodes are named as scontrol drains them; a requeue is an attempt
+    slurm = {**{k: v for k, v in os.environ.items() if not k.startswith("TRACEHOUND_")},
+             "SLURM_JOB_ID": "4242", "SLURMD_NODENAME": "c7", "SLURM_RESTART_COUNT": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "instrument", "--env"],
+        capture_output=True, text=True, timeout=120, check=True, env=slurm,
+    )
+    lines = dict(line.removeprefix("export ").split("=", 1)
+                 for line in done.stdout.splitlines() if line.startswith("export "))
+    assert (lines["TRACEHOUND_JOB_ID"], lines["TRACEHOUND_NODE_ID"]) == ("slurm-4242", "c7")
+    assert lines["TRACEHOUND_ATTEMPT"] == "2"
+    assert "tracehound agent --job slurm-4242 --node c7" in done.stdout
+    given = subprocess.run(
+        [sys.executable, "-m", "tracehound.controller.cli", "instrument", "--env", "--job",
+         "exp7", "--node", "n3"],
+        capture_output=True, text=True, timeout=120, check=True,
+        env={**slurm, "TRACEHOUND_ATTEMPT": "5"},
+    )
+    lines = dict(line.removeprefix("export ").split("=", 1)
+                 for line in given.stdout.splitlines() if line.startswith("export "))
+    assert (lines["TRACEHOUND_JOB_ID"], lines["TRACEHOUND_NODE_ID"]) == ("exp7", "n3")
+    assert "TRACEHOUND_ATTEMPT" not in lines  # the recorder reads the one already set

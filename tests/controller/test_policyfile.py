@@ -153,7 +153,7 @@ BAD: list[tuple[str, str, str]] = [
     ("version: 1\nmax_restart: 3\n", "max_restart",
      "unknown key (allowed: version, max_restarts, max_restarts_per_hour, max_isolations, "
      "max_isolations_per_hour, restart_backoff_s, restart_backoff_max_s, watch_s, "
-     "stall_alert_after_s, uncertain, rules); did you mean max_restarts?"),
+     "stall_alert_after_s, uncertain, watch_actions, rules); did you mean max_restarts?"),
     ("version: 1\nrules: {hnag: {}}\n", "rules.hnag",
      f"unknown incident kind (allowed: {KINDS}); did you mean hang?"),
     ("version: 1\nrules: {hang: {isolate: 0.9}}\n", "rules.hang.isolate",
