@@ -27,9 +27,13 @@ Printed (`--json`: one object):
   `poll_interval_s`: the mean time between two polls of one job;
 - `detect_s`: from the hang (simulated fault time) to the watcher's incident on that job, and
   whether the incident named the stopped rank (`hang_named`);
-- `false_verdicts`: incidents on the healthy jobs (should be 0), with their kinds, and
+- `false_verdicts`: fault incidents on the healthy jobs (should be 0), with their kinds, and
   `false_would_act` of them whose plan the policy would have carried out (stopped, evicted or
-  restarted: the watcher here only observes); a soft fault seen once is only observed;
+  restarted: the watcher here only observes); a soft fault seen in one window is a suspicion
+  (the job's state), an incident only when seen in the next window too;
+- `stalls_observed`: stall incidents on the healthy jobs, apart: a rank busy outside
+  collectives while its peers wait (the simulator's slow checkpoints and evaluations, a step's
+  compute up to 3x slower) is recorded and watched, never acted on (`stalls_would_act`);
 - `load_avg_1m`: the machine's load average at the start and the end of the watch (the
   machine is shared: what else ran moves every figure);
 - `watcher_cpu_share`: this process's CPU seconds (the watcher: its analysis and the store
@@ -251,7 +255,7 @@ def watch(args: argparse.Namespace, workdir: Path, url: str, server_pid: int | N
         WatchFleet,
         WatchSettings,
     )
-    from tracehound.tracing.events import now_us
+    from tracehound.tracing.events import IncidentKind, now_us
     from tracehound.tracing.ids import JobId
 
     say(f"{len(jobs)} jobs of {args.ranks} ranks: setting up the simulated runs")
@@ -324,7 +328,12 @@ def watch(args: argparse.Namespace, workdir: Path, url: str, server_pid: int | N
         first = on_hung[0]
         detect_s = round((first.time_us - truth["fault_us"]) / 1e6, 2)
         named = bool(set(first.data["culprit_ranks"]) & set(truth["culprit_ranks"]))
-    false = [e for e in incidents if e.job != hung]
+    others = [e for e in incidents if e.job != hung]
+    # a stall is a rank busy outside collectives while its peers wait (the simulator's slow
+    # checkpoints, evaluations, compute 3x slower for a step): an observation, never acted on,
+    # counted apart from the fault verdicts
+    stalls = [e for e in others if e.data["kind"] == IncidentKind.STALL.value]
+    false = [e for e in others if e.data["kind"] != IncidentKind.STALL.value]
     acting = {e.data["incident"] for e in events if e.kind is EventKind.ACTION
               and str(e.data["detail"]).startswith(NOT_ACTED)}
     return {
@@ -343,6 +352,8 @@ def watch(args: argparse.Namespace, workdir: Path, url: str, server_pid: int | N
                             "summary": e.data["summary"]} for e in on_hung],
         "false_verdicts": len(false),
         "false_would_act": sum(e.data["incident"] in acting for e in false),
+        "stalls_observed": len(stalls),
+        "stalls_would_act": sum(e.data["incident"] in acting for e in stalls),
         "false_kinds": sorted({f"{e.data['kind']}" for e in false}),
         "false_detail": [{"job": e.job, "kind": e.data["kind"],
                           "culprit_ranks": e.data["culprit_ranks"],

@@ -119,6 +119,14 @@ class JobSpec:
     nnodes + spare_nodes local "nodes")."""
 
 
+SOFT_RECORDED_FROM: Final = 2
+"""A soft fault (straggler, slow link, node outlier) becomes an incident from its second
+detection window in a row; in one window it is a suspicion, logged and shown as the job's
+`suspect` state. Healthy jobs give such one-window verdicts (0.2% of the simulator's healthy
+windows, never two in a row: `bench/diagnosis.py`); a real one is seen again (0.955 of the
+simulated stragglers within two windows), and acting on one takes its kind's `repeats` anyway."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SupervisorSettings:
     poll_s: float = 0.5
@@ -655,6 +663,9 @@ class Supervisor:
         self._held = None
         if key not in self._recorded and self._expected_pause(verdict):
             return GO_ON  # the job's rhythm: noted on the job, no incident
+        if verdict.kind in SOFT_KINDS and self._times_seen(verdict) < SOFT_RECORDED_FROM:
+            self._suspect(verdict)
+            return GO_ON
         if verdict.kind in SOFT_KINDS or key not in self._recorded:
             self._recorded.add(key)
             recorded = len(self._incidents)
@@ -958,6 +969,17 @@ class Supervisor:
 
     def _times_seen(self, verdict: Verdict) -> int:
         return self._soft_seen.get((verdict.kind.value, verdict.culprit_nodes), 1)
+
+    def _suspect(self, verdict: Verdict) -> None:
+        """A soft fault seen in one window: said in the log and in the job's state (suspect),
+        an incident if it is seen in the next window too (`SOFT_RECORDED_FROM`)."""
+        where = (f"rank(s) {', '.join(str(r) for r in verdict.culprit_ranks[:8])} on "
+                 f"{', '.join(verdict.culprit_nodes[:4])}" if verdict.culprit_ranks
+                 else "no rank named")
+        detail = (f"{verdict.kind.value} of {where} seen in one window (confidence "
+                  f"{verdict.confidence:.2f}); an incident if seen in the next")
+        self.log.info("%s", detail)
+        self._set_state(JobPhase.SUSPECT, verdict.attempt, detail=detail)
 
     def _soft_gate(self, verdict: Verdict, now_us: int) -> bool:
         """Whether to act on a verdict now. Hard verdicts always pass. A soft one is counted at

@@ -59,9 +59,9 @@ def check_stored(store: str, job: str, fault: str, rank: int) -> None:
     incidents = json.loads(listed.stdout)
     incident, *later = incidents
     # 4 ranks share 2 cores with the rest of the suite: the load can make one rank of the
-    # restarted job compute a sixth longer for a window, a straggler by the job's own timing
-    # (seen once: rank 2 at 1.17x). A soft fault seen once is recorded and watched, never
-    # acted on: no stop, no isolation, no restart of a healthy attempt.
+    # restarted job compute a sixth longer, a straggler by the job's own timing (seen in a CI
+    # run: rank 2 at 1.17x). Seen in two windows in a row it is an incident, watched and never
+    # acted on before its third: no stop, no isolation, no restart of a healthy attempt.
     for soft in later:
         assert soft["attempt"] == 1 and soft["kind"] in SOFT, incidents
         assert {a["kind"] for a in soft["actions"]} <= {"observe", "alert"}, incidents

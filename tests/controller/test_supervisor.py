@@ -273,3 +273,62 @@ def test_a_pause_that_recurs_at_one_place_is_the_jobs_rhythm_and_a_far_longer_on
         (long.incident_id, "firing", "warning"),
         (first.incident_id, "resolved", "info"), (long.incident_id, "resolved", "warning"),
     ]
+
+
+def test_a_straggler_seen_in_one_window_leaves_the_job_suspect_and_is_an_incident_when_seen_again(
+    store: TraceStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The analysis is scripted (the straggler rule has tests of its own): it names rank 3 from
+    12 s to 14 s (one window), then from 40 s to 55 s (two windows in a row). The first sighting
+    only marks the job suspect, saying what was seen; the second run of sightings is one incident,
+    observed; the policy's `repeats` (3) is never reached, so nothing is done to the job."""
+    from tracehound.analysis.verdict import Basis, Verdict
+    from tracehound.controller.supervision import supervisor as module
+    from tracehound.tracing.events import IncidentKind, JobPhase
+
+    clock = Clock()
+    orch = ScriptedOrchestrator()
+    t0 = clock.now
+
+    def scripted(_store: object, obs: object, _settings: object) -> tuple[Verdict | None, object]:
+        t = (clock.now - t0) / S
+        if not (12 <= t < 14 or 40 <= t < 55):
+            return None, obs
+        return Verdict(job=JOB, attempt=0, kind=IncidentKind.STRAGGLER, culprit_ranks=(3,),
+                       culprit_nodes=("node-1",), confidence=0.8, basis=Basis.ARRIVAL_LATENESS,
+                       summary="rank 3 computes 1.4x as long as its peers", evidence=(),
+                       observed_at_us=clock.now), obs
+
+    monkeypatch.setattr(module, "diagnose_with_records", scripted)
+
+    def world(view: PollView) -> None:
+        nodes = orch.plans[-1].rank_nodes()
+        now = clock.now
+        step = int((now - t0) / S)
+        store.insert(Batch(batch_id=f"b{now}", records=tuple(
+            beat(0, r, now, step, step, now, nodes[r]) for r in range(4))))
+        if now - t0 >= 70 * S:
+            orch.exits = clean_exits(JOB, 0, nodes, now)
+
+    sup = Supervisor(
+        spec=JobSpec(job=JOB, command=("python", "train.py"), nnodes=2, nproc_per_node=2),
+        store=store, orchestrator=orch, clock=clock, sleep=clock.sleep, observer=world,
+        settings=SupervisorSettings(poll_s=0.5, window_s=10.0), evidence_dir=tmp_path,
+    )
+    result = sup.run()
+
+    assert result.completed is True and result.attempts == 1
+    assert orch.isolated == [] and orch.stopped == 0
+    (incident,) = store.incidents(JOB)
+    assert (incident.kind, incident.culprit_ranks) == ("straggler", (3,))
+    assert [a.kind for a in incident.actions] == [ActionKind.OBSERVE]
+    assert 50 * S <= incident.detected_at_us - t0 < 51 * S  # the second window's first poll
+    states = [(s.state, s.detail, s.incident_id, (s.time_us - t0) // S)
+              for s in store.job_states(JOB)]
+    suspects = [s for s in states if s[0] is JobPhase.SUSPECT]
+    assert [(when, incident_id) for _, _, incident_id, when in suspects] == [
+        (12, ""), (40, ""), (50, incident.incident_id)], states
+    # back to running once a window passed without it (from 14 s, from 55 s)
+    assert [when for state, _, _, when in states if state is JobPhase.RUNNING][1:3] == [24, 65]
+    assert all("straggler of rank(s) 3 on node-1 seen in one window" in detail
+               for _, detail, incident_id, _ in suspects if not incident_id), states

@@ -217,8 +217,8 @@ def test_every_view_on_a_real_demo_run(demo_store: FilledStore,
     assert row["isolated nodes"] == "node-1"
     ratio = float(str(row["training time"]).rstrip(" %"))
     assert 0 < ratio < 100
-    # the hang's incident and attempt by name: a loaded machine can add a straggler seen once
-    # in the restarted attempt, a newer incident (tests/controller/test_demo_e2e.py)
+    # the hang's incident and attempt by name: a loaded machine can add a newer one, a
+    # straggler in the restarted attempt (tests/controller/test_demo_e2e.py)
     hang = {"incident": "demo-hang/0/1", "attempt": "0"}
     at = app(demo_store.url, "incident", monkeypatch, job="demo-hang", **hang)
     shown = "\n".join(texts(at))

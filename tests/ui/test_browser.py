@@ -115,8 +115,8 @@ def test_each_view_names_the_culprit_of_a_real_demo_run(demo_store: FilledStore,
                                                         tmp_path: Path) -> None:
     shots = _shots(tmp_path)
     with serving(demo_store.url, tmp_path) as base, browser() as page:
-        # the hang's incident and attempt by name: a loaded machine can add a straggler seen
-        # once in the restarted attempt, a newer incident (tests/controller/test_demo_e2e.py)
+        # the hang's incident and attempt by name: a loaded machine can add a newer one, a
+        # straggler in the restarted attempt (tests/controller/test_demo_e2e.py)
         hang = f"&incident={quote('demo-hang/0/1', safe='')}&attempt=0"
         _load(page, base, "jobs", "demo-hang", ["Latest incident of each job", "demo-hang: "],
               shots / "demo-jobs.png", cells=("node-1",))
