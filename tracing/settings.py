@@ -203,11 +203,6 @@ TRACEHOUND_EXIT_FILE = "TRACEHOUND_EXIT_FILE"
 """Where a rank leaves its exit status as it ends (set by `tracehound run`), so that a controller
 started after the one that launched it (not its parent) learns how it ended."""
 
-TRACEHOUND_INCIDENT_PREFIX = "TRACEHOUND_INCIDENT_"
-"""Set by `tracehound watch --on-incident CMD` for CMD, never read: the incident's fields as
-TRACEHOUND_INCIDENT_JOB, _INCIDENT, _KIND, _CULPRIT_RANKS, _CULPRIT_NODES (comma-separated),
-_CONFIDENCE and _SUMMARY, the same as the JSON object on CMD's stdin."""
-
 TRACEHOUND_LOG_LEVEL = "TRACEHOUND_LOG_LEVEL"
 """Log level of Tracehound's own loggers (default DEFAULT_LOG_LEVEL)."""
 

@@ -38,7 +38,6 @@ from tracehound.controller.journal import write_atomic
 from tracehound.controller.policy.recovery import PlannedAction
 from tracehound.tracing.events import ActionKind, Incident, now_us
 from tracehound.tracing.kinds import MAX_TEXT
-from tracehound.tracing.settings import TRACEHOUND_INCIDENT_PREFIX
 
 SHELL: Final = "/bin/sh"
 
@@ -46,6 +45,11 @@ RULE: Final = "on_incident"
 """The rule a command step names: it runs for every incident, whatever the policy decided."""
 
 DEFAULT_TIMEOUT_S: Final = 60.0
+
+INCIDENT_ENV_PREFIX: Final = "TRACEHOUND_INCIDENT_"
+"""CMD's environment also holds the incident's fields (never read by Tracehound):
+TRACEHOUND_INCIDENT_JOB, _INCIDENT, _KIND, _CULPRIT_RANKS, _CULPRIT_NODES (comma-separated),
+_CONFIDENCE and _SUMMARY, the same as the JSON object on its stdin."""
 
 KEYS: Final = ("job", "incident", "kind", "culprit_ranks", "culprit_nodes", "confidence",
                "summary")
@@ -65,7 +69,7 @@ def variables(incident: Incident) -> dict[str, str]:
     out = {}
     for key, value in payload(incident).items():
         text = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
-        out[f"{TRACEHOUND_INCIDENT_PREFIX}{key.upper()}"] = text
+        out[f"{INCIDENT_ENV_PREFIX}{key.upper()}"] = text
     return out
 
 
