@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracehound.agent.checkpoint import latest_complete
 from tracehound.controller.cli.options import (
     detection_args,
     own_ingest_token,
@@ -68,6 +69,8 @@ class FaultInjector:
     gpu_faults: Path | None = None
     """The simulated GPUs' fault file (the `xid` fault writes its Xid there)."""
     nproc_per_node: int = 2
+    checkpoints: Path | None = None
+    """The job's checkpoint directory (`tracehound.agent.checkpoint`)."""
     injected_us: int = 0
     injected_step: int = 0
     pid: int = 0
@@ -76,15 +79,20 @@ class FaultInjector:
     def __call__(self, view: PollView) -> None:
         if self.injected_us or view.attempt != 0:
             return
-        steps = [hb.step for hb in view.snapshot.heartbeats]
-        if not steps or max(steps) < self.at_step:
+        # the step the job reached: by the stored heartbeats, or by its newest complete
+        # checkpoint when those lag (a loaded machine's node agents ship late, and a job of
+        # 30 ms steps could finish before the store showed step `at_step`)
+        stored = max((hb.step for hb in view.snapshot.heartbeats), default=0)
+        saved = latest_complete(self.checkpoints) if self.checkpoints is not None else None
+        reached = max(stored, saved[0] if saved else 0)
+        if reached < self.at_step:
             return
         pid = view.orchestrator.pid_of(self.rank)
         if pid is None:
             return
         if self.fault == "xid" and self.gpu_faults is not None:
             node = next((hb.node for hb in view.snapshot.heartbeats if hb.rank == self.rank),
-                        "")
+                        f"node-{self.rank // self.nproc_per_node}")
             gpu = self.rank % self.nproc_per_node
             with self.gpu_faults.open("a") as faults:
                 faults.write(json.dumps({"node": node, "gpu": gpu, "kind": "xid",
@@ -92,11 +100,11 @@ class FaultInjector:
             self.log.append(f"simulated Xid {XID_LOST} on {node} gpu{gpu}")
         os.kill(pid, FAULT_SIGNALS[self.fault])
         self.injected_us = now_us()
-        self.injected_step = max(steps)
+        self.injected_step = reached
         self.pid = pid
         self.log.append(
             f"injected {self.fault}: {FAULT_SIGNALS[self.fault].name} to rank {self.rank} "
-            f"(pid {pid}) at step {max(steps)}"
+            f"(pid {pid}) at step {reached}"
         )
 
 
@@ -169,14 +177,15 @@ def run_demo_in_session(
                    spare_nodes=spares)
     gpu_faults = workdir / "gpu-faults.jsonl"
     injector = FaultInjector(fault=fault, rank=rank, at_step=fault_step, gpu_faults=gpu_faults,
-                             nproc_per_node=nproc)
+                             nproc_per_node=nproc, checkpoints=workdir / "checkpoints")
     settings = settings or SupervisorSettings(poll_s=0.25, timeout_s=600)
     started = time.monotonic()
     # this machine has no GPU: every demo node gets simulated ones, healthy until a fault
     agent_env = {env.TRACEHOUND_GPU: "sim", env.TRACEHOUND_SIM_GPUS: str(nproc),
                  env.TRACEHOUND_SIM_GPU_FAULTS: str(gpu_faults),
                  env.TRACEHOUND_HEALTH_INTERVAL_S: "1"}
-    orch = LocalOrchestrator(workdir=workdir, sink=session.sink, agent_env=agent_env)
+    orch = LocalOrchestrator(workdir=workdir, sink=session.sink, agent_env=agent_env,
+                             checkpoint_dir=injector.checkpoints)
     supervisor = Supervisor(spec=spec, store=session.store, orchestrator=orch,
                             settings=settings, observer=injector,
                             evidence_dir=workdir / "incidents")
