@@ -16,6 +16,7 @@ not a new process.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,11 @@ class StoreHolder:
         self.holding = url
         return answer.removeprefix("shared ").removeprefix("held")
 
+    def jobs(self, url: str) -> list[str]:
+        """The jobs of the store of `url` as the holder process reads them, opening it for this
+        one call (itself, or through the process that holds it)."""
+        return list(json.loads(self._ask(f"jobs {url}").removeprefix("jobs ")))
+
     def release(self) -> None:
         """Stop sharing the store and close it."""
         assert self._ask("close") == "closed"
@@ -98,6 +104,9 @@ def _serve() -> None:
                 assert endpoint is not None
                 held = (store, sharing)
                 print(f"shared {endpoint.url}", flush=True)
+            elif command == "jobs":
+                with open_store(argument, create=False) as reader:
+                    print(f"jobs {json.dumps(reader.jobs())}", flush=True)
             elif command == "close" and held is not None:
                 held[1].stop()
                 held[0].close()

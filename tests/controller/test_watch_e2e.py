@@ -16,8 +16,9 @@ outside by SIGSTOP. One job run holds every scenario (CI time is short):
 Every incident has exactly one command action and one line of the command's output: no incident
 and no action twice.
 
-The store is a ClickHouse server for now (`STORES`): the embedded store can be shared with other
-local processes only once that lands (add "embedded" to `STORES` then).
+It runs on the default embedded store, which one `instrument` holds and shares with the
+machine's other processes (and which the test or a watcher takes over, in turn, when the
+`instrument`s end with the job), and on a ClickHouse server (`STORES`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tracehound.controller.journal import JOURNAL_FILE
 from tracehound.controller.orchestrators.local import free_port
 from tracehound.tracing.events import ActionKind, JobPhase
 from tracehound.tracing.store import TraceStore, open_store
+from tracehound.tracing.store.sharing import read_endpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +50,7 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "watched_job.py")
 JOB = "watched"
 KEYS = ["job", "incident", "kind", "culprit_ranks", "culprit_nodes", "confidence", "summary"]
 
-STORES = ["server"]
+STORES = ["embedded", "server"]
 """The stores the test runs on (`watched_store`)."""
 
 
@@ -162,7 +164,7 @@ def test_a_watched_job_stopped_rank_reaches_the_command_once_also_across_a_watch
     runs = tmp_path / "cmd-runs.jsonl"
     workdir = tmp_path / "watch"
     port = free_port()
-    store = open_store(watched_store)
+    store: TraceStore | None = None
     try:
         for node_rank, node in enumerate(("node-a", "node-b")):
             procs.start(node, tracehound(
@@ -173,6 +175,11 @@ def test_a_watched_job_stopped_rank_reaches_the_command_once_also_across_a_watch
                 "--master-addr", "127.0.0.1", "--master-port", str(port),
                 SCRIPT, "--stop-file", str(stop_file)))
         job = ("node-a", "node-b")
+        # an embedded store: one `instrument` holds it and shares it with the machine, and this
+        # test reads it through that one, as the watchers do (opened first here, it would be
+        # this process's, shared with nobody)
+        wait_for("the store is open", lambda: _sharing(watched_store), procs, *job)
+        store = open_store(watched_store)
         wait_for("every rank reports", lambda: len(store.latest_heartbeats(JOB, 0)) == 4,
                  procs, *job)
         nodes = {hb.rank: hb.node for hb in store.latest_heartbeats(JOB, 0)}
@@ -264,8 +271,16 @@ def test_a_watched_job_stopped_rank_reaches_the_command_once_also_across_a_watch
     finally:
         with contextlib.suppress(OSError):
             stop_file.touch()
-        for rank in range(4):
+        for rank in range(4 if store is not None else 0):
             with contextlib.suppress(Exception):
                 os.kill(pid_of(store, rank), signal.SIGCONT)
         procs.stop_all()
-        store.close()
+        if store is not None:
+            store.close()
+
+
+def _sharing(url: str) -> bool:
+    """Whether a process holds the store of `url` and shares it (always, for a server)."""
+    if not url.startswith("chdb://"):
+        return True
+    return read_endpoint(url.removeprefix("chdb://")) is not None

@@ -11,21 +11,30 @@ error naming the store, the holder and what happened: the holder not answering, 
 during a call is a TemporaryStoreError (a write may or may not have landed: retry it with
 `maybe_duplicate`), a token it refuses is a StoreConfigError, a call it refuses keeps the class
 the store raised. This module never retries a call that may have reached the holder; it tries a
-call again only when the connection was refused before it was sent and the endpoint file names a
-new holder. Closing a client closes only the client: the holder keeps the store.
+call again only when the connection was refused before it was sent, and then
+- sends it to the new holder the endpoint file names, or
+- when no process holds the directory any more (the holder ended: a job's `tracehound
+  instrument` exits with the job while a watcher or a dashboard goes on), opens the directory
+  itself and runs the call there: the client becomes the holder and shares the store in turn
+  (`sharing.Sharing`), so the machine's other clients follow it.
+Closing a client closes only the client (and the store, if it took the store over): a holder
+that is another process keeps the store.
 """
 
 from __future__ import annotations
 
 import http.client
+import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import urlsplit
 
 from tracehound.tracing.errors import (
     PermanentStoreError,
     StoreConfigError,
+    StoreError,
     TemporaryStoreError,
 )
 from tracehound.tracing.events import (
@@ -66,6 +75,11 @@ from tracehound.tracing.summaries import (
     RankStats,
 )
 
+if TYPE_CHECKING:
+    from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
+
+logger = logging.getLogger(__name__)
+
 HELLO_TIMEOUT_S = 10.0
 """The longest wait for the holder's first answer when the store is opened."""
 
@@ -88,6 +102,9 @@ class SharedStoreClient:
             minimum=MIN_STORE_CALL_TIMEOUT_S)
         self._lock = threading.Lock()
         self._closed = False
+        self._own: EmbeddedClickHouseStore | None = None
+        """The store, once this client took it over from a holder that ended."""
+        self._sharing: sharing.Sharing | None = None
 
     @classmethod
     def connect(cls, url: str, endpoint: sharing.Endpoint, *, timeout_s: float | None = None,
@@ -192,6 +209,8 @@ class SharedStoreClient:
         if self._read_only and method in WRITES:
             raise PermanentStoreError(f"embedded store {self._url}: this client was opened "
                                       f"read-only and refuses {method}")
+        if self._own is not None:
+            return getattr(self._own, method)(**args)
         found = calls.call(method)
         try:
             body = calls.encode(found.args(**args))
@@ -201,8 +220,12 @@ class SharedStoreClient:
         try:
             status, answer = self._post(endpoint, method, body, self._timeout_s)
         except HolderRefused:
-            # never sent: safe to send again if another process holds and shares it now
-            endpoint = self._new_holder(endpoint)
+            # never sent: safe to send again if another process holds and shares it now, or to
+            # run here once this client took the store over
+            fresh = self._new_holder(endpoint)
+            if fresh is None:
+                return getattr(self._own, method)(**args)
+            endpoint = fresh
             status, answer = self._post(endpoint, method, body, self._timeout_s)
         if status != http.HTTPStatus.OK:
             raise self._refusal(endpoint, method, status, answer)
@@ -212,20 +235,50 @@ class SharedStoreClient:
             raise PermanentStoreError(f"{self._context(endpoint)}: the answer to {method} "
                                       f"cannot be read: {exc}") from exc
 
-    def _new_holder(self, old: sharing.Endpoint) -> sharing.Endpoint:
+    def _new_holder(self, old: sharing.Endpoint) -> sharing.Endpoint | None:
         """The endpoint of the process that holds the directory now, when another one than
-        `old`'s shares it; else the refusal is raised as a TemporaryStoreError."""
+        `old`'s shares it; None when nobody held it and this client took the store over; else
+        the refusal is raised as a TemporaryStoreError."""
         refused = TemporaryStoreError(f"{self._context(old)}: nothing answers there (connection "
                                       f"refused); {_holder_state(old)}; open the store again")
-        try:
-            fresh = sharing.read_endpoint(self._path)
-        except StoreConfigError:
-            raise refused from None
-        if fresh is None or fresh == old or fresh.pid != sharing.holder_pid(self._path):
-            raise refused
         with self._lock:
+            if self._own is not None:  # another thread of this process took it over
+                return None
+            holder = sharing.holder_pid(self._path)
+            if holder is None:
+                self._take_over(old, refused)
+                return None
+            try:
+                fresh = sharing.read_endpoint(self._path)
+            except StoreConfigError:
+                raise refused from None
+            if fresh is None or fresh == old or fresh.pid != holder:
+                raise refused
             self._endpoint = fresh
-        return fresh
+            return fresh
+
+    def _take_over(self, old: sharing.Endpoint, refused: TemporaryStoreError) -> None:
+        """Open the directory that no process holds any more, and share it (under the lock)."""
+        from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
+
+        try:
+            store = EmbeddedClickHouseStore(self._url)
+        except StoreError as exc:  # taken by another process meanwhile: its endpoint next time
+            raise refused from exc
+        sharing.discard_stale_endpoint(self._path)
+        share = sharing.Sharing(store)
+        shared = True
+        try:
+            share.start()
+        except StoreError as exc:
+            logger.warning("embedded store %s: this process holds it now but cannot share it: "
+                           "%s", self._path, exc)
+            share.stop()
+            shared = False
+        self._own, self._sharing = store, share
+        logger.warning("embedded store %s: its holder, pid %d, %s; this process (pid %d) holds "
+                       "it now%s", self._path, old.pid, "ended" if not sharing.pid_alive(old.pid)
+                       else "let it go", os.getpid(), " and shares it" if shared else "")
 
     # --- the port ---------------------------------------------------------------------------
 
@@ -385,6 +438,12 @@ class SharedStoreClient:
 
     def close(self) -> None:
         self._closed = True
+        with self._lock:
+            own, share, self._own, self._sharing = self._own, self._sharing, None, None
+        if share is not None:
+            share.stop()
+        if own is not None:
+            own.close()
 
     def __enter__(self) -> Self:
         return self
