@@ -46,9 +46,8 @@ Printed (`--json`: one object):
     .venv/bin/python bench/watch.py --json --store clickhouse://default:@127.0.0.1:9000/wb
 
 Without --store it starts a ClickHouse server of its own (tests/clickhouse_harness.py) in a temp
-dir and stops it at the end. An embedded store (chdb) cannot be used yet: the writer and the
-watcher are two processes. Figures are printed, never asserted; it exits 1 only when it could
-not run.
+dir and stops it at the end. It measures a server store only: many jobs' node agents ship to
+one. Figures are printed, never asserted; it exits 1 only when it could not run.
 """
 
 from __future__ import annotations
@@ -61,7 +60,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse
 import dataclasses
 import heapq
-import importlib.util
 import json
 import multiprocessing as mp
 import platform
@@ -186,31 +184,22 @@ def server_cpu_s(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def load_harness() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "clickhouse_harness", ROOT / "tests" / "clickhouse_harness.py")
-    if spec is None or spec.loader is None:
-        raise RuntimeError("tests/clickhouse_harness.py not found")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """With a ClickHouse server of its own unless --store names one (stopped and removed at the
     end)."""
     if args.store:
         if args.store.startswith("chdb"):
-            raise SystemExit("bench/watch.py: an embedded store cannot be shared by the writer "
-                             "and the watcher yet; give a ClickHouse server (--store "
-                             "clickhouse://...) or none (one is started)")
+            raise SystemExit("bench/watch.py measures a ClickHouse server (the store of many "
+                             "jobs' node agents); give one (--store clickhouse://...) or none "
+                             "(one is started)")
         return measure(args, workdir, args.store, None)
     # the server's data in memory where there is room (tests/clickhouse_harness.py: on this
     # machine's disk, creating a part's files was most of the server's CPU); removed at the end
     shm = Path("/dev/shm")
     roomy = shm.is_dir() and shutil.disk_usage(shm).free > 8 << 30
     server_dir = Path(tempfile.mkdtemp(dir=shm if roomy else workdir, prefix="watch-bench-ch-"))
+    from soak import load_harness  # bench/soak.py, beside this script
+
     server = load_harness().start_server(server_dir)
     try:
         return measure(args, workdir, urlsplit(server.url)._replace(

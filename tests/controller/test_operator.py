@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from kube_harness import Cluster, Emulator, config, operator, wait_for
+from store_urls import store_url_of
 from supervisor_fakes import S, heartbeat
 
 from tracehound.analysis.settings import DetectionSettings, HangSettings
@@ -58,18 +58,8 @@ def cluster() -> Iterator[tuple[Emulator, Cluster]]:
 
 
 @pytest.fixture
-def server_store_url(clickhouse_url: str) -> Iterator[str]:
-    from urllib.parse import urlsplit
-
-    from tracehound.tracing.store.server import ClickHouseServerStore
-
-    url = urlsplit(clickhouse_url)._replace(path=f"/th_op{uuid.uuid4().hex[:10]}").geturl()
-    yield url
-    cleanup = ClickHouseServerStore(url)
-    try:
-        cleanup.drop_database()
-    finally:
-        cleanup.close()
+def server_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    yield from store_url_of("server", request, tmp_path)
 
 
 @pytest.fixture

@@ -30,13 +30,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
+from store_urls import store_url_of
 
 from tracehound.controller.journal import JOURNAL_FILE
 from tracehound.controller.orchestrators.local import free_port
@@ -57,19 +56,7 @@ STORES = ["embedded", "server"]
 @pytest.fixture(params=STORES)
 def watched_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh store URL that every process of the test can open at once."""
-    if request.param == "embedded":
-        yield f"chdb://{tmp_path / 'store'}"
-        return
-    from tracehound.tracing.store.server import ClickHouseServerStore
-
-    server: str = request.getfixturevalue("clickhouse_url")
-    url = urlsplit(server)._replace(path=f"/tracehound_w{uuid.uuid4().hex[:10]}").geturl()
-    yield url
-    cleanup = ClickHouseServerStore(url)
-    try:
-        cleanup.drop_database()
-    finally:
-        cleanup.close()
+    yield from store_url_of(request.param, request, tmp_path)
 
 
 def clean_env() -> dict[str, str]:

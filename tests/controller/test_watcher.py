@@ -12,12 +12,11 @@ of jobs."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
+from store_urls import store_url_of
 from supervisor_fakes import Clock
 from watch_fakes import FakeSlurm, ReportingJob, SlurmError
 
@@ -47,26 +46,9 @@ from tracehound.tracing.store import TraceStore, open_store
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TraceStore]:
     """A fresh store on the server and on the embedded engine (the watcher reads through the
     port only; the store's own contract, cluster mode included, is tests/tracing's)."""
-    url = (f"chdb://{tmp_path / 'chdb'}" if request.param == "embedded"
-           else request.getfixturevalue("store_url_on_server"))
-    opened = open_store(url)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-@pytest.fixture
-def store_url_on_server(clickhouse_url: str) -> Iterator[str]:
-    from tracehound.tracing.store.server import ClickHouseServerStore
-
-    url = urlsplit(clickhouse_url)._replace(path=f"/tracehound_t{uuid.uuid4().hex[:12]}").geturl()
-    yield url
-    cleanup = ClickHouseServerStore(url)
-    try:
-        cleanup.drop_database()
-    finally:
-        cleanup.close()
+    for url in store_url_of(request.param, request, tmp_path):
+        with open_store(url) as opened:
+            yield opened
 
 
 SETTINGS = WatchSettings(
