@@ -17,9 +17,9 @@ sets them in one policy file (`controller.policyfile`), and every `PlannedAction
   process was alive and its machine is not implicated.
 - Soft faults (straggler, slow link, node outlier) are only observed until they are seen in
   `repeats` consecutive windows; then they are treated like hard ones. A slow machine costs
-  time, a wrong eviction costs a restart: a repeat is the price of not crying wolf. (The
-  supervisor records one as an incident from its second window in a row; seen in one window,
-  the job is only marked suspect: `supervisor.SOFT_RECORDED_FROM`.)
+  time, a wrong eviction costs a restart: a repeat is the price of not crying wolf. (Seen in
+  one window, the supervisor only marks the job suspect and records no incident:
+  `supervisor.SOFT_RECORDED_FROM`.)
 - A mismatch is a bug in the training program: restarting would repeat it, so the job is
   stopped and the policy gives up, saying why.
 - Unsure verdicts (not localized, or less sure than their kind's `act_from`) and verdicts

@@ -124,7 +124,8 @@ SOFT_RECORDED_FROM: Final = 2
 detection window in a row; in one window it is a suspicion, logged and shown as the job's
 `suspect` state. Healthy jobs give such one-window verdicts (0.2% of the simulator's healthy
 windows, never two in a row: `bench/diagnosis.py`); a real one is seen again (0.955 of the
-simulated stragglers within two windows), and acting on one takes its kind's `repeats` anyway."""
+simulated stragglers within two windows), which is also when the default policy acts on one
+(its kind's `repeats`, 2)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,6 +12,10 @@ from typing import Any
 import pytest
 from run_harness import beside_observed_stragglers, run_and_list
 
+from tracehound.tracing.events import JobPhase
+from tracehound.tracing.ids import JobId
+from tracehound.tracing.store import open_store
+
 pytestmark = pytest.mark.e2e
 
 
@@ -81,6 +85,13 @@ def test_slowed_rank_is_a_straggler_observed_then_isolated(tmp_path: Path) -> No
     (n,) = acted
     assert kinds[n] == ("straggler", 3, "node-1",
                         ["stop_job", "isolate_node", "restart", "resumed"]), kinds
-    assert ("straggler", 3, "node-1", ["observe"]) in kinds[:n], kinds
+    # seen in one window first: the job suspect, saying so, and no incident yet
+    with open_store(f"chdb://{tmp_path / 'store'}", create=False) as store:
+        states = store.job_states(JobId("straggler"))
+    acting = next(k for k, s in enumerate(states)
+                  if s.incident_id == incidents[n]["incident_id"])
+    assert any(s.state is JobPhase.SUSPECT and "straggler of rank(s) 3 on node-1 seen in one "
+               "window" in s.detail for s in states[:acting]), [
+        (s.state.value, s.detail) for s in states]
     # after the restart without node-1, at most a weak one watched (a CI run: rank 0 at 1.15x)
     assert all(i["attempt"] == 1 for i in incidents[n + 1:]), kinds

@@ -280,8 +280,9 @@ def test_a_straggler_seen_in_one_window_leaves_the_job_suspect_and_is_an_inciden
 ) -> None:
     """The analysis is scripted (the straggler rule has tests of its own): it names rank 3 from
     12 s to 14 s (one window), then from 40 s to 55 s (two windows in a row). The first sighting
-    only marks the job suspect, saying what was seen; the second run of sightings is one incident,
-    observed; the policy's `repeats` (3) is never reached, so nothing is done to the job."""
+    only marks the job suspect, saying what was seen; the second run of sightings is one incident
+    at its second window, whose plan only watches (confidence 0.8 is below the straggler's
+    `isolate_from`), so nothing is done to the job."""
     from tracehound.analysis.verdict import Basis, Verdict
     from tracehound.controller.supervision import supervisor as module
     from tracehound.tracing.events import IncidentKind, JobPhase
