@@ -9,6 +9,9 @@ checkpoint helper. Faults are injected from inside for tests and demos:
     --fault slow  ...                              it sleeps --slow-ms extra per step from then on
     --fault mismatch ...                           at that step it broadcasts where the others
                                                    all-reduce the loss (they all hang)
+    --fault-in ckpt:0:40@0                         rank 0's checkpoint of step 40 takes
+                                                   --slow-checkpoint-s more (slow storage): a
+                                                   healthy job's pause, no fault
 
 A fault fires only in attempt --fault-attempt (default 0; -1: every attempt), so a restarted job
 that resumed from a checkpoint runs on healthy. `--fault-in KIND:RANK:STEP@ATTEMPT` (repeatable)
@@ -53,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault-in", type=fault_spec, action="append", default=[],
                         metavar="KIND:RANK:STEP@ATTEMPT", help="one more fault (repeatable)")
     parser.add_argument("--slow-ms", type=float, default=50.0)
+    parser.add_argument("--slow-checkpoint-s", type=float, default=12.0,
+                        help="how much longer a ckpt fault's checkpoint takes")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     return parser.parse_args(argv)
@@ -75,7 +80,7 @@ class Fault:
         return self.attempt < 0 or attempt() == self.attempt
 
 
-FAULT_KINDS = ("crash", "hang", "slow", "mismatch")
+FAULT_KINDS = ("crash", "hang", "slow", "mismatch", "ckpt")
 
 
 def fault_spec(text: str) -> Fault:
@@ -103,7 +108,8 @@ def faults(args: argparse.Namespace) -> list[Fault]:
 def faulty(args: argparse.Namespace, rank: int, step: int) -> Fault | None:
     """The configured fault that applies to this rank, at this step, in this attempt."""
     for fault in faults(args):
-        if rank == fault.rank and step >= fault.step and fault.in_this_attempt():
+        if (rank == fault.rank and step >= fault.step and fault.kind != "ckpt"
+                and fault.in_this_attempt()):
             return fault
     return None
 
@@ -143,6 +149,16 @@ def inject(args: argparse.Namespace, rank: int, step: int) -> None:
             time.sleep(3600)
     if fault.kind == "slow":
         time.sleep(args.slow_ms / 1000.0)
+
+
+def slow_checkpoint(args: argparse.Namespace, rank: int, step: int) -> None:
+    """A checkpoint on slow storage: this rank waits on the disk while its peers wait for it in
+    the next step's collectives (a `ckpt` fault of this rank, step and attempt)."""
+    if any(f.kind == "ckpt" and f.rank == rank and f.step == step and f.in_this_attempt()
+           for f in faults(args)):
+        print(f"rank {rank}: slow checkpoint at step {step} ({args.slow_checkpoint_s:g} s)",
+              flush=True)
+        time.sleep(args.slow_checkpoint_s)
 
 
 def batch_for(step: int, rank: int, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             and os.environ.get("TRACEHOUND_CHECKPOINT_DIR")
         ):
             checkpoint.save(state(), done)
+            slow_checkpoint(args, rank, done)
 
     timed = args.steps - timed_at
     if timed_from and timed > 0:
