@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evidence_check import assert_facts_agree
+
 NOT_A_TRANSITION = "is not a transition of the job's state machine"
 """What the supervisor logs, as an error, for a job state that does not follow from the one
 before (it writes the state anyway): a real run's log must never hold it."""
@@ -34,4 +36,6 @@ def run_demo(store: str, job: str, workdir: Path, *fault: str) -> DemoRun:
         capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert NOT_A_TRANSITION not in done.stderr, done.stderr
+    # every fact of every incident agrees with the records the job stored
+    assert_facts_agree(store, job)
     return DemoRun(store, job, json.loads(done.stdout))

@@ -17,11 +17,11 @@ disagree:
 "Before detection" leaves out the last `SLACK_US`: a record or heartbeat on its way (in a
 node agent's spool) when the verdict was made could not have been read by it.
 
-The golden traces, the Flight Recorder import and the analysis tests run it. Real jobs do not
-yet: a rank stopped by SIGSTOP holds the records and heartbeats it had not shipped when it
-stopped, and ships them when it is continued or killed, after the verdict, with times from
-before it; the store keeps no time of arrival, so the check cannot tell those from records the
-verdict could have read (a clean-clone CI run flagged one record so in three real jobs).
+The golden traces, the Flight Recorder import and the analysis tests run it, and every test of
+a real job that records an incident (`assert_facts_agree`). A real job's incidents are held to
+what the store held when each was detected (the store stamps each row's arrival,
+`schema.ARRIVAL`): a rank stopped by SIGSTOP ships the records and heartbeats it still held when
+it is continued or killed, after the verdict, with times from before it.
 """
 
 from __future__ import annotations
@@ -120,27 +120,51 @@ def contradictions(records: Sequence[CollectiveEvent], beats: Sequence[Heartbeat
 
 
 def check_incidents(store: TraceStore, job: str,
-                    incidents: Iterable[Mapping[str, Any] | Incident] | None = None) -> int:
+                    incidents: Iterable[Mapping[str, Any] | Incident] | None = None, *,
+                    as_stored: bool = False) -> int:
     """Runs `contradictions` over the job's incidents (default: every stored one) and fails
-    with all that contradict their records; returns how many facts were checked."""
+    with all that contradict their records; returns how many facts were checked.
+
+    `as_stored`: against the records and heartbeats the store held when each incident was
+    detected (`TraceStore.records(..., stored_by_us=)`), for a job that ran live on this
+    machine. A rank stopped by SIGSTOP ships what it still held when it is continued or killed,
+    after the verdict, stamped before it: the verdict could not have read those. Without it,
+    against everything stored (traces loaded after the fact carry no such arrivals)."""
     import json
 
     if incidents is None:
         incidents = store.incidents(JobId(job))
     listed = [
-        {"incident_id": i.incident_id, "attempt": i.attempt,
+        {"incident_id": i.incident_id, "attempt": i.attempt, "detected_at": i.detected_at_us / 1e6,
          "verdict": json.loads(i.verdict_json)} if isinstance(i, Incident) else i
         for i in incidents
     ]
-    records = store.collectives(JobId(job), 0)
-    for attempt in sorted({int(i["attempt"]) for i in listed} - {0}):
-        records += store.collectives(JobId(job), attempt)
-    beats = store.records(Heartbeat, JobId(job))
+    every: tuple[list[CollectiveEvent], list[Heartbeat]] | None = None
     problems: list[str] = []
     checked = 0
     for incident in listed:
-        found, n = contradictions(records, beats, incident)
+        if as_stored:
+            by = round(float(incident["detected_at"]) * 1e6)  # seconds, as listed
+            held = (store.records(CollectiveEvent, JobId(job), stored_by_us=by),
+                    store.records(Heartbeat, JobId(job), stored_by_us=by))
+        else:
+            every = every or (store.records(CollectiveEvent, JobId(job)),
+                              store.records(Heartbeat, JobId(job)))
+            held = every
+        found, n = contradictions(*held, incident)
         problems += found
         checked += n
     assert not problems, "facts the stored records contradict:\n" + "\n".join(problems)
     return checked
+
+
+def assert_facts_agree(store_url: str, job: str) -> int:
+    """`check_incidents` as stored, on the store of a real job that ran here, by its URL, once
+    the job has ended; how many facts were checked."""
+    from tracehound.tracing.store import open_store
+
+    store = open_store(store_url, create=False)
+    try:
+        return check_incidents(store, job, as_stored=True)
+    finally:
+        store.close()

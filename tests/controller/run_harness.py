@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from demo_harness import NOT_A_TRANSITION
+from evidence_check import assert_facts_agree
 
 
 def run_and_list(tmp_path: Path, job: str, run_args: list[str]
@@ -32,6 +33,8 @@ def run_and_list(tmp_path: Path, job: str, run_args: list[str]
         capture_output=True, text=True, timeout=120, check=True,
     )
     incidents: list[dict[str, Any]] = json.loads(listed.stdout)
+    # every fact of every incident agrees with the records the job stored
+    assert_facts_agree(store, job)
     return outcome, incidents
 
 

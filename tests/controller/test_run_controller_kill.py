@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from evidence_check import assert_facts_agree
 from run_harness import beside_observed_stragglers
 
 pytestmark = pytest.mark.e2e
@@ -141,6 +142,7 @@ def test_killed_while_restarting_then_while_running_launches_once_and_adopts(
     # beside_observed_stragglers)
     (incident,) = beside_observed_stragglers(incidents)
     assert incident["kind"] == "crash" and incident["culprit_ranks"] == [2]
+    assert_facts_agree(third.store, "kills")
     assert [a["kind"] for a in incident["actions"]] == [
         "stop_job", "isolate_node", "restart", "resumed"]
     assert sorted(p.name for p in (third.work / "logs").glob("attempt-*")) == [

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from evidence_check import check_incidents
 from store_urls import store_url_of
 
 from tracehound.controller.journal import JOURNAL_FILE
@@ -255,6 +256,8 @@ def test_a_watched_job_stopped_rank_reaches_the_command_once_also_across_a_watch
         hangs = [i for i in incidents if i.kind == "hang"]
         assert sorted(i.culprit_ranks for i in hangs) == [(1,), (3,)]
         assert store.job_states(JOB)[-1].state is JobPhase.FINISHED
+        # every fact of every incident agrees with what the store held at its detection
+        assert check_incidents(store, JOB, as_stored=True) >= 1
     finally:
         with contextlib.suppress(OSError):
             stop_file.touch()

@@ -3,6 +3,8 @@ mode), chdb, and the client of a chdb store another process holds and shares."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
@@ -108,7 +110,7 @@ def test_a_store_made_before_new_fields_gets_their_columns(store: TraceStore) ->
     old = heartbeat(rank=0, step=3, time_us=1_700_000_000_500_000)
     store.insert(Batch(batch_id="before", records=(old,)))
     for column in ("group_pending_nbytes", "group_pending_dtype", "group_oldest_seq",
-                   "group_oldest_op", "group_oldest_nbytes", "group_oldest_dtype"):
+                   "group_oldest_op", "group_oldest_nbytes", "group_oldest_dtype", "stored_us"):
         store._query(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}", {})
     store.ensure_schema()
     store.ensure_schema()  # nothing left to add
@@ -206,6 +208,27 @@ def test_recorded_reach_is_the_highest_stored_seq_per_rank_from_a_seq_and_by_a_t
     assert store.recorded_reach(JOB, 0, "9", [3], from_seq=1, until_us=BIG) == {3: 39}
     assert store.recorded_reach(JOB, 1, "0", [0], from_seq=1, until_us=BIG) == {0: 29}
     assert store.recorded_reach(JOB, 0, "0", [], from_seq=1, until_us=BIG) == {}
+
+
+def test_records_as_stored_by_a_time_leave_out_those_that_arrived_later(
+        store: TraceStore) -> None:
+    """The store stamps each row with when it arrived, to the second of its clock (this
+    machine's, for every adapter here): what was stored by a time is what a verdict made then
+    could have read, whatever times the records themselves carry."""
+    early = Batch(batch_id="early", records=(collective(0, 1), heartbeat(0, 1_700_000_000_000_000)))
+    store.insert(early)
+    between = time.time_ns() // 1000
+    time.sleep(1.05 - (between % 1_000_000) / 1e6)  # into the store clock's next second
+    # a record made before the first ones, arriving after `between` (a stopped rank's, shipped
+    # when it was continued)
+    late = msgspec.structs.replace(collective(0, 2), enqueue_us=1, complete_us=2)
+    store.insert(Batch(batch_id="late", records=(late, heartbeat(0, 1_699_999_999_000_000))))
+    kept = store.records(CollectiveEvent, JOB, stored_by_us=between)
+    assert [(c.rank, c.seq) for c in kept] == [(0, 1)]
+    beats = store.records(Heartbeat, JOB, stored_by_us=between)
+    assert [hb.time_us for hb in beats] == [1_700_000_000_000_000]
+    assert len(store.records(CollectiveEvent, JOB)) == 2
+    assert store.records(CollectiveEvent, JOB, stored_by_us=between - 60_000_000) == []
 
 
 def test_retry_of_a_landed_batch_stores_nothing_twice(store: TraceStore) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+from evidence_check import assert_facts_agree
 from ui_harness import HOSTILE, FilledStore
 
 from tracehound.tracing.ids import JobId
@@ -297,3 +298,5 @@ def test_a_running_jobs_progress_then_its_hang_live(tmp_path: Path) -> None:
     assert not endpoint_path(str(held)).exists()  # it stopped sharing the store
     with pytest.raises(OSError):  # and its dashboard is gone
         urllib.request.urlopen(f"{base}/_stcore/health", timeout=5)
+    # every fact of the live job's incidents agrees with the records it stored
+    assert assert_facts_agree(f"chdb://{held}", LIVE) >= 1

@@ -432,8 +432,10 @@ class SharedStoreClient:
         found: list[CollectiveEvent] = self._call("collectives", job=job, attempt=attempt)
         return found
 
-    def records(self, kind: type[RecordBase], job: JobId) -> list[Any]:
-        found: list[Any] = self._call("records", kind=kind, job=job, result=list[kind])  # type: ignore[valid-type]
+    def records(self, kind: type[RecordBase], job: JobId, *,
+                stored_by_us: int | None = None) -> list[Any]:
+        found: list[Any] = self._call("records", kind=kind, job=job, stored_by_us=stored_by_us,
+                                      result=list[kind])  # type: ignore[valid-type]
         return found
 
     def close(self) -> None:

@@ -41,8 +41,10 @@ from tracehound.tracing.kinds import RecordBase
 from tracehound.tracing.store import sql as q
 from tracehound.tracing.store.port import FOREVER_US, CollectiveKey, InsertReport
 from tracehound.tracing.store.schema import (
+    ARRIVAL,
     COLLECTIVES,
     Table,
+    add_arrival_statement,
     add_column_statement,
     check_identifier,
     create_statements,
@@ -87,6 +89,8 @@ def add_missing_columns(query: Query, database: str, table: Table) -> None:
     for column in table.columns:
         if column.name not in have:
             query(add_column_statement(database, table, column), {})
+    if ARRIVAL.name not in have:
+        query(add_arrival_statement(database, table), {})
 
 
 def old_partitions(rows: Sequence[Row], day: int) -> list[int]:
@@ -266,10 +270,14 @@ class SqlTraceStore(abc.ABC):
         """Every stored collective row of an attempt, ordered by group, seq, rank."""
         return self._read(CollectiveEvent, q.SQL_COLLECTIVES, {"job": job, "attempt": attempt})
 
-    def records(self, kind: type[RecordBase], job: JobId) -> list[Any]:
+    def records(self, kind: type[RecordBase], job: JobId, *,
+                stored_by_us: int | None = None) -> list[Any]:
         """Every stored record of one kind of a job, in time order (incidents without their
-        actions)."""
-        return self._read(kind, q.SQL_RECORDS_OF_JOB, {"job": job})
+        actions); with `stored_by_us`, only those the store held by then."""
+        if stored_by_us is None:
+            return self._read(kind, q.SQL_RECORDS_OF_JOB, {"job": job})
+        return self._read(kind, q.SQL_RECORDS_OF_JOB_STORED_BY,
+                          {"job": job, "stored_by": int(stored_by_us)})
 
     def insert_columns(
         self,

@@ -257,9 +257,12 @@ class BulkStore(TraceStore, Protocol):
         """Every stored collective row of an attempt, ordered by group, seq, rank."""
         ...
 
-    def records(self, kind: type[RecordBase], job: JobId) -> list[Any]:
+    def records(self, kind: type[RecordBase], job: JobId, *,
+                stored_by_us: int | None = None) -> list[Any]:
         """Every stored record of one kind of a job (any registered kind), oldest first; for
-        incidents, without their actions (those are records of their own)."""
+        incidents, without their actions (those are records of their own). With
+        `stored_by_us`, only those that had reached the store by then, by the store's clock to
+        the second (`schema.ARRIVAL`): what a verdict made at that time could have read."""
         ...
 
 

@@ -5,7 +5,10 @@ The same statements run on Debian's ClickHouse 18.16 server and on the embedded 
 ClickHouse 26.x), so they keep to the subset both understand: no DateTime64, Map, JSON, TTL,
 CODEC or LowCardinality. Sub-second times are UInt64 microseconds; the `ts` column exists only to
 partition by day (retention is `ALTER TABLE ... DROP PARTITION`). Tables of batch records carry
-the `batch_id` they arrived in, which is how a retried batch is recognised.
+the `batch_id` they arrived in, which is how a retried batch is recognised. Every table also
+has `stored_us`, when the row reached the store by the store's clock (to the second: 18.16 has
+no sub-second `now`), filled by the store itself: what a verdict could have read when it was
+made is what was stored by then (`TraceStore.records(..., stored_by_us=)`).
 
 In cluster mode (`store.cluster`) each table is kept twice: a `<table>_local` table of the same
 columns and engine on every shard, and a `Distributed` table of the plain name over them, sharded
@@ -38,6 +41,13 @@ from tracehound.tracing.events import (
 from tracehound.tracing.kinds import Column, RecordBase
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+ARRIVAL = Column("stored_us", "UInt64")
+"""When a row reached the store, in microseconds of the store's clock, to the second. No record
+kind declares it and no insert names it: the store fills it (`ARRIVAL_DEFAULT`). Rows stored
+before a store had the column read as stored when they are read."""
+
+ARRIVAL_DEFAULT = "toUInt64(now()) * 1000000"
 
 
 def check_identifier(name: str) -> str:
@@ -101,8 +111,8 @@ class Table:
         columns = ",\n".join(f"    {c.name} {c.type}" for c in self.columns)
         return (
             f"(\n{columns},\n"
-            f"    ts DateTime('UTC') DEFAULT toDateTime(intDiv({self.time_column}, 1000000), 'UTC')"
-            "\n)"
+            f"    ts DateTime('UTC') DEFAULT toDateTime(intDiv({self.time_column}, 1000000), "
+            f"'UTC'),\n    {ARRIVAL.name} {ARRIVAL.type} DEFAULT {ARRIVAL_DEFAULT}\n)"
         )
 
     def create_statement(self, database: str, *, on_cluster: str | None = None) -> str:
@@ -182,6 +192,15 @@ def add_column_statement(
                                f"{column.type!r}")
     return (f"ALTER TABLE {database}.{table.name}{_on(on_cluster)} "
             f"ADD COLUMN {column.name} {column.type}")
+
+
+def add_arrival_statement(database: str, table: Table, *,
+                          on_cluster: str | None = None) -> str:
+    """The ALTER TABLE that adds the `stored_us` column to a table of an older store."""
+    check_identifier(database)
+    check_identifier(table.name)
+    return (f"ALTER TABLE {database}.{table.name}{_on(on_cluster)} "
+            f"ADD COLUMN {ARRIVAL.name} {ARRIVAL.type} DEFAULT {ARRIVAL_DEFAULT}")
 
 
 def drop_partition_statement(

@@ -506,8 +506,16 @@ WHERE job = {job:String}
 ORDER BY {time}
 """
 
+SQL_RECORDS_OF_JOB_STORED_BY = """
+SELECT {columns}
+FROM {db}.{table}
+WHERE job = {job:String} AND stored_us <= {stored_by:UInt64}
+ORDER BY {time}
+"""
+
 READ_QUERIES: dict[str, tuple[Table, str]] = {
     "records": (COLLECTIVES, SQL_RECORDS_OF_JOB),
+    "records_stored_by": (COLLECTIVES, SQL_RECORDS_OF_JOB_STORED_BY),
     "latest_heartbeats": (HEARTBEATS, SQL_LATEST_HEARTBEATS),
     "exits": (RANK_EXITS, SQL_EXITS),
     "groups": (PROCESS_GROUPS, SQL_GROUPS),
