@@ -49,8 +49,11 @@ def test_numeric_columns_cross_bit_for_bit(array: np.ndarray[Any, Any]) -> None:
     assert same_array(calls.decode(calls.encode(array), np.ndarray), array)
 
 
-@given(hnp.arrays(hnp.unicode_string_dtypes(min_len=1, max_len=8),
-                  hnp.array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=8)))
+@given(hnp.arrays(np.dtype("<U8"),
+                  hnp.array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=8),
+                  # what a store's string column can hold: UTF-8, so no lone surrogate
+                  elements=st.text(st.characters(exclude_categories=("Cs",),
+                                                 exclude_characters="\x00"), max_size=8)))
 def test_string_columns_cross_whole(array: np.ndarray[Any, Any]) -> None:
     back = calls.decode(calls.encode(array), np.ndarray)
     assert back.dtype == array.dtype and back.shape == array.shape
