@@ -19,9 +19,10 @@ node agent's spool) when the verdict was made could not have been read by it.
 
 The golden traces, the Flight Recorder import and the analysis tests run it, and every test of
 a real job that records an incident (`assert_facts_agree`). A real job's incidents are held to
-what the store held when each was detected (the store stamps each row's arrival,
-`schema.ARRIVAL`): a rank stopped by SIGSTOP ships the records and heartbeats it still held when
-it is continued or killed, after the verdict, with times from before it.
+what the store surely held when each verdict read it: rows the store stamped (`schema.ARRIVAL`,
+to the second) a second or more before the verdict's snapshot. A rank stopped by SIGSTOP ships
+the records and heartbeats it still held when it is continued or killed, after the verdict, with
+times from before it; and a record may arrive between the verdict's reading and its incident.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from tracehound.tracing.store import TraceStore
 
 SLACK_US = 1_000_000
 """Records and heartbeats stored this close before a detection may have been on their way."""
+
+ARRIVAL_SLACK_US = 1_000_000
+"""How much earlier than a verdict's snapshot a row must have been stamped by the store to have
+surely been there for it (`schema.ARRIVAL` is to the second)."""
 
 POSITION_FACTS = ("lagging", "waiting", "differs")
 """The facts that say where a rank was in a group at a sequence id."""
@@ -125,8 +130,8 @@ def check_incidents(store: TraceStore, job: str,
     """Runs `contradictions` over the job's incidents (default: every stored one) and fails
     with all that contradict their records; returns how many facts were checked.
 
-    `as_stored`: against the records and heartbeats the store held when each incident was
-    detected (`TraceStore.records(..., stored_by_us=)`), for a job that ran live on this
+    `as_stored`: against the records and heartbeats the store surely held when each verdict
+    read it (`TraceStore.records(..., stored_by_us=)`), for a job that ran live on this
     machine. A rank stopped by SIGSTOP ships what it still held when it is continued or killed,
     after the verdict, stamped before it: the verdict could not have read those. Without it,
     against everything stored (traces loaded after the fact carry no such arrivals)."""
@@ -135,7 +140,7 @@ def check_incidents(store: TraceStore, job: str,
     if incidents is None:
         incidents = store.incidents(JobId(job))
     listed = [
-        {"incident_id": i.incident_id, "attempt": i.attempt, "detected_at": i.detected_at_us / 1e6,
+        {"incident_id": i.incident_id, "attempt": i.attempt,
          "verdict": json.loads(i.verdict_json)} if isinstance(i, Incident) else i
         for i in incidents
     ]
@@ -144,7 +149,9 @@ def check_incidents(store: TraceStore, job: str,
     checked = 0
     for incident in listed:
         if as_stored:
-            by = round(float(incident["detected_at"]) * 1e6)  # seconds, as listed
+            # the store stamps arrivals to the second: a row stamped a whole second before the
+            # verdict's snapshot had surely arrived when the verdict read the store
+            by = int((incident.get("verdict") or incident)["observed_at_us"]) - ARRIVAL_SLACK_US
             held = (store.records(CollectiveEvent, JobId(job), stored_by_us=by),
                     store.records(Heartbeat, JobId(job), stored_by_us=by))
         else:

@@ -256,7 +256,7 @@ def test_a_watched_job_stopped_rank_reaches_the_command_once_also_across_a_watch
         hangs = [i for i in incidents if i.kind == "hang"]
         assert sorted(i.culprit_ranks for i in hangs) == [(1,), (3,)]
         assert store.job_states(JOB)[-1].state is JobPhase.FINISHED
-        # every fact of every incident agrees with what the store held at its detection
+        # every fact of every incident agrees with what the store held when it was read
         assert check_incidents(store, JOB, as_stored=True) >= 1
     finally:
         with contextlib.suppress(OSError):

@@ -133,6 +133,25 @@ class Harness:
         return self.store.job_states(self.job.job)
 
 
+def test_a_hung_rank_going_on_inside_its_collective_is_that_hang_ending_not_a_new_one(
+        store: TraceStore, tmp_path: Path) -> None:
+    """A rank SIGSTOPped inside a collective and continued: for a moment every rank reports
+    waiting in that collective, none lagging (an unlocalized hang by the snapshot alone), until
+    the call completes. The watcher takes that for the recorded hang ending: one incident."""
+    h = Harness(store, tmp_path)
+    watcher = h.watcher()
+    h.drive(watcher, lambda: EventKind.WATCHING in h.kinds())
+    h.drive(watcher, lambda: h.clock.now > h.events[-1].time_us + 3_000_000)
+    h.job.stop(3)
+    h.drive(watcher, lambda: EventKind.INCIDENT in h.kinds())
+    h.job.resume(inside=6)
+    resumed_at = h.clock.now
+    h.drive(watcher, lambda: h.clock.now > resumed_at + 3_000_000)
+    h.drive(watcher, lambda: h.states()[-1].state is JobPhase.RUNNING)
+    assert [(i.kind, i.culprit_ranks) for i in store.incidents(h.job.job)] == [("hang", (3,))]
+    assert [r["incident"] for r in h.command_runs()] == ["w1/0/1"]
+
+
 def test_a_stopped_rank_is_one_incident_whose_command_runs_once_and_the_job_ends_finished(
         store: TraceStore, tmp_path: Path) -> None:
     h = Harness(store, tmp_path)

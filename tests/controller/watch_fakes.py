@@ -39,6 +39,9 @@ class ReportingJob:
     lag_us: int = 0
     """How late its reports reach the store: each is made this long before the clock's time
     (a node agent's shipping delay, a busy store)."""
+    inside_ticks: int = 0
+    """Rounds after `resume(inside=...)` in which every rank still reports waiting in the
+    collective the stopped rank froze in (it had entered it), until that call completes."""
     _announced: int = -1
     _last_tick: int = 0
     _gone_sent: bool = False
@@ -59,6 +62,12 @@ class ReportingJob:
         if self.gone:
             self._gone_sent = True
             records += [self._process(r, now, "gone") for r in self.nodes]
+        elif self.stopped is None and self.inside_ticks > 0:
+            self.inside_ticks -= 1
+            for rank, node in self.nodes.items():
+                records.append(heartbeat(self.job, self.attempt, rank, now, self.seq + 1,
+                                         self.seq, self.stopped_at, node))
+                records.append(self._process(rank, now, "R"))
         elif self.stopped is None or now < self.stopped_at:  # (reports made before the stop)
             self.seq += 1
             for rank, node in self.nodes.items():
@@ -79,8 +88,10 @@ class ReportingJob:
     def stop(self, rank: int) -> None:
         self.stopped, self.stopped_at = rank, self.clock.now
 
-    def resume(self) -> None:
-        self.stopped = None
+    def resume(self, *, inside: int = 0) -> None:
+        """SIGCONT; with `inside`, the rank had frozen inside the collective its peers wait in,
+        and every rank reports waiting there for `inside` more rounds."""
+        self.stopped, self.inside_ticks = None, inside
 
     def restart(self, attempt: int, nodes: dict[int, str]) -> None:
         """Its launcher (or a requeue) starts `attempt` on `nodes`."""
