@@ -44,6 +44,7 @@ from typing import Any
 
 import clickhouse_harness
 import pytest
+from evidence_check import check_incidents
 
 from tracehound.controller.alerts import (
     SIGNATURE_HEADER,
@@ -269,6 +270,7 @@ def test_a_run_with_a_crash_and_failing_receivers_logs_no_secret(
     with open_store(url, create=False) as store:
         (incident,) = store.incidents("leaky")  # type: ignore[arg-type]
         assert incident.kind == "crash"
+        check_incidents(store, "leaky", as_stored=True)  # its facts agree with its records
         alert_actions = [a for a in incident.actions if a.kind.value == "alert"]
     hooks = [r for r in receivers.requests if r[0] == "/hook"]
     pages = [r for r in receivers.requests if r[0] == "/pd"]
