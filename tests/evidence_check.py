@@ -19,10 +19,12 @@ node agent's spool) when the verdict was made could not have been read by it.
 
 The golden traces, the Flight Recorder import and the analysis tests run it, and every test of
 a real job that records an incident (`assert_facts_agree`). A real job's incidents are held to
-what the store surely held when each verdict read it: rows the store stamped (`schema.ARRIVAL`,
-to the second) a second or more before the verdict's snapshot. A rank stopped by SIGSTOP ships
-the records and heartbeats it still held when it is continued or killed, after the verdict, with
-times from before it; and a record may arrive between the verdict's reading and its incident.
+what the store held when each verdict read it: a fact must not be behind the rows the store
+stamped (`schema.ARRIVAL`, to the second) a second or more before the verdict's snapshot, and
+what a fact says a rank issued must be in a row stamped no later than a second after it. A rank
+stopped by SIGSTOP ships the records and heartbeats it still held when it is continued or killed,
+after the verdict, with times from before it; and a record may arrive between the verdict's
+reading and its incident.
 """
 
 from __future__ import annotations
@@ -90,10 +92,14 @@ def _claims(fact: Mapping[str, Any]) -> tuple[int | None, bool, bool]:
 
 
 def contradictions(records: Sequence[CollectiveEvent], beats: Sequence[Heartbeat],
-                   incident: Mapping[str, Any]) -> tuple[list[str], int]:
+                   incident: Mapping[str, Any], *,
+                   readable: tuple[Sequence[CollectiveEvent], Sequence[Heartbeat]] | None = None,
+                   ) -> tuple[list[str], int]:
     """The facts of one incident (as `tracehound incidents --json` lists it, or its stored
     verdict) that the records and heartbeats of its attempt contradict, in words; and how many
-    facts were checked."""
+    facts were checked. `records` and `beats` are what the verdict surely could read (a fact
+    must not be behind them); `readable`, if other, all it might have read (what a fact says
+    was issued must be there): by default the same."""
     verdict = incident.get("verdict") or incident
     attempt = int(incident["attempt"])
     until = int(verdict["observed_at_us"]) - SLACK_US
@@ -105,6 +111,9 @@ def contradictions(records: Sequence[CollectiveEvent], beats: Sequence[Heartbeat
         rank, group, seq = int(fact["rank"]), str(fact["group"]), int(fact["seq"])
         mine = _Rank([r for r in records if r.attempt == attempt and r.rank == rank],
                      [b for b in beats if b.attempt == attempt and b.rank == rank], group)
+        seen = mine if readable is None else _Rank(
+            [r for r in readable[0] if r.attempt == attempt and r.rank == rank],
+            [b for b in readable[1] if b.attempt == attempt and b.rank == rank], group)
         reach, not_done, issued = _claims(fact)
         checked += 1
         where = f"{incident.get('incident_id', '?')} {fact['fact']} rank {rank} #{seq} of {group}"
@@ -118,7 +127,7 @@ def contradictions(records: Sequence[CollectiveEvent], beats: Sequence[Heartbeat
         if not_done and done >= seq:
             found.append(f"{where}: says it had not completed #{seq}; its records completed "
                          f"#{done} before detection ({fact['detail']})")
-        if issued and not mine.issued(seq, until + SLACK_US):
+        if issued and not seen.issued(seq, until + SLACK_US):
             found.append(f"{where}: says it issued #{seq}; no record or heartbeat of it shows "
                          f"that ({fact['detail']})")
     return found, checked
@@ -148,17 +157,22 @@ def check_incidents(store: TraceStore, job: str,
     problems: list[str] = []
     checked = 0
     for incident in listed:
+        readable = None
         if as_stored:
             # the store stamps arrivals to the second: a row stamped a whole second before the
-            # verdict's snapshot had surely arrived when the verdict read the store
-            by = int((incident.get("verdict") or incident)["observed_at_us"]) - ARRIVAL_SLACK_US
+            # verdict's snapshot had surely arrived when the verdict read the store, and one
+            # stamped a second after it surely had not
+            at = int((incident.get("verdict") or incident)["observed_at_us"])
+            by, maybe = at - ARRIVAL_SLACK_US, at + ARRIVAL_SLACK_US
             held = (store.records(CollectiveEvent, JobId(job), stored_by_us=by),
                     store.records(Heartbeat, JobId(job), stored_by_us=by))
+            readable = (store.records(CollectiveEvent, JobId(job), stored_by_us=maybe),
+                        store.records(Heartbeat, JobId(job), stored_by_us=maybe))
         else:
             every = every or (store.records(CollectiveEvent, JobId(job)),
                               store.records(Heartbeat, JobId(job)))
             held = every
-        found, n = contradictions(*held, incident)
+        found, n = contradictions(*held, incident, readable=readable)
         problems += found
         checked += n
     assert not problems, "facts the stored records contradict:\n" + "\n".join(problems)

@@ -136,3 +136,24 @@ def test_the_evidence_check_finds_a_fact_its_records_disprove_and_passes_the_fre
     incident = {"incident_id": "i-1", "attempt": 0, "verdict": stale.to_dict()}
     with pytest.raises(AssertionError, match="its records completed #704"):
         check_incidents(store, "j", [incident])
+
+
+def test_what_a_fact_says_was_issued_may_be_in_a_row_that_landed_just_before_the_verdict(
+    store: TraceStore,
+) -> None:
+    """The check of a live job holds a fact to the rows the store surely held a second before
+    the verdict (not behind them), and what a fact says a rank issued to the rows it might have
+    read (stamped up to a second after): arrivals are stamped to the second."""
+    from evidence_check import contradictions
+
+    store.insert(_records(range(4), range(600, 705)))
+    store.insert(Batch(batch_id="beats", records=stale_snapshot().heartbeats))
+    records = store.collectives(JobId("j"), 0)
+    beats = store.records(Heartbeat, JobId("j"))
+    fresh, _ = diagnose_with_records(store, observe(stale_snapshot()), SETTINGS)
+    assert fresh is not None
+    incident = {"attempt": 0, "verdict": fresh.to_dict()}
+    # the waiters' heartbeats, which show them in #705, landed in the verdict's last second
+    found, _ = contradictions(records, [], incident)
+    assert found and all("says it issued #705" in f for f in found), found
+    assert contradictions(records, [], incident, readable=(records, beats))[0] == []
