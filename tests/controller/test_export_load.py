@@ -14,6 +14,9 @@ from urllib.parse import urlsplit
 
 import pytest
 from demo_harness import DemoRun
+from evidence_check import check_incidents
+
+from tracehound.tracing.store import open_store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.clickhouse_server]
 
@@ -93,3 +96,7 @@ def test_a_real_demo_job_moves_between_stores_with_its_verdict_and_incidents(
               (server, embedded)]
     assert json.loads(listed[0].stdout) == json.loads(listed[1].stdout)
     assert json.loads(listed[1].stdout)[0]["culprit_ranks"] == [1]
+    # the moved incidents' facts agree with the moved records (all of them: a loaded store's
+    # arrivals are its load's, so not as stored when each verdict read the job's own store)
+    with open_store(embedded, create=False) as moved:
+        check_incidents(moved, job)

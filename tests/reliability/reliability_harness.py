@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))  # agent_
 
 from agent_harness import free_port, rank_env
 
+from tracehound.agent.rank.backend import BACKEND_SUFFIX
 from tracehound.tracing.events import Heartbeat
 from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import open_store
@@ -223,6 +224,11 @@ def completed_keys(final: Iterable[Heartbeat]) -> set[Key]:
             # a counted group (DDP's steps, `<group>:ddp`) records some of its seqs only: run
             # these jobs with every bucket recorded (TRACEHOUND_DDP_TRACE_EVERY=1)
             assert not g.group.endswith(":ddp"), f"rank {hb.rank}: counted group {g.group}"
+            if g.group.endswith(BACKEND_SUFFIX):
+                # the backend's own count of a group (`agent.rank.backend`), in heartbeats
+                # only: reported once a call of it stayed in flight with none of its traced
+                # calls pending (a starved rank, seen in CI); its traced calls are the group's
+                continue
             assert g.last_completed == g.last_enqueued, (
                 f"rank {hb.rank} group {g.group}: {g.last_enqueued} enqueued, "
                 f"{g.last_completed} completed at its last heartbeat")

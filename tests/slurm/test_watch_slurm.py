@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from evidence_check import check_incidents
 from slurm_harness import SlurmCluster, start_cluster
 
 from tracehound.tracing.events import ActionKind, JobPhase
@@ -163,6 +164,8 @@ def test_watch_slurm_drains_the_stopped_ranks_node_and_the_requeued_job_resumes(
             (ended,) = [e for e in events if e["event"] == "ended"]
             assert ended["state"] == "finished" and ended["how"] == "exited", ended
             assert store.job_states(job)[-1].state is JobPhase.FINISHED
+            # the incident's facts agree with what the store held when the watcher read it
+            check_incidents(store, job, as_stored=True)
     finally:
         if stopped is not None:
             with contextlib.suppress(ProcessLookupError):
