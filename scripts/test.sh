@@ -85,18 +85,17 @@ fi
 
 # Three lanes at once:
 #   lane 1: the tests not marked e2e, in parallel (pytest-xdist, 2 workers); then, one at a
-#           time, the e2e tests of tests/agent
+#           time, the e2e tests of tests/agent and the job's rhythm
 #   lane 2: the other e2e tests (tests/controller, tests/ui, ...: the real jobs under
 #           `tracehound run` and the demo, whose runs the dashboard's tests share), one at a
 #           time, at a lower priority
 #   lane 3: the jobs on the real Slurm cluster (tests/slurm: two slurmd nodes of this machine),
-#           the watcher's real job, tests/reliability and the job's rhythm, one at a time, at a
+#           the watcher's real job and tests/reliability, one at a time, at a
 #           lower priority; the first wait (on Slurm, a requeued job is held ~11 s; on a stopped
 #           rank to be named) more than they compute
 # Every e2e test is in exactly one lane (lane 2 ignores the paths lanes 1 and 3 take).
-LANE1_E2E=(tests/agent)
-LANE3_E2E=(tests/slurm tests/controller/test_watch_e2e.py tests/reliability
-           tests/controller/test_run_rhythm.py)
+LANE1_E2E=(tests/agent tests/controller/test_run_rhythm.py)
+LANE3_E2E=(tests/slurm tests/controller/test_watch_e2e.py tests/reliability)
 echo "== pytest, three lanes at once: the tests not marked e2e in parallel (pytest-xdist), then"
 echo "   the e2e tests of ${LANE1_E2E[*]} one at a time; beside them, the other e2e tests (real"
 echo "   training jobs and servers) one at a time, and the Slurm cluster's, at a lower priority"

@@ -16,9 +16,10 @@ outside by SIGSTOP. One job run holds every scenario (CI time is short):
 Every incident has exactly one command action and one line of the command's output: no incident
 and no action twice.
 
-It runs on the default embedded store, which one `instrument` holds and shares with the
-machine's other processes (and which the test or a watcher takes over, in turn, when the
-`instrument`s end with the job), and on a ClickHouse server (`STORES`).
+It runs on the default embedded store (`STORES`), which one `instrument` holds and shares with
+the machine's other processes (and which the test or a watcher takes over, in turn, when the
+`instrument`s end with the job). The watcher on a ClickHouse server is tests/slurm's and
+test_watcher.py's (CI time is short: one real job here).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "watched_job.py")
 JOB = "watched"
 KEYS = ["job", "incident", "kind", "culprit_ranks", "culprit_nodes", "confidence", "summary"]
 
-STORES = ["embedded", "server"]
+STORES = ["embedded"]
 """The stores the test runs on (`watched_store`)."""
 
 
