@@ -64,10 +64,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from clickhouse_harness import pid_runs
 
@@ -344,6 +344,41 @@ class SlurmCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class JobStore:
+    """A store a test holds for the jobs it submits to a cluster (`job_store`)."""
+
+    store: Any
+    """The `TraceStore`, an embedded one this process holds."""
+    server: Any
+    """Its ingest endpoint (`IngestServer`) on the cluster's bridge, for the jobs' node agents."""
+    env: dict[str, str]
+    """What a job is submitted with: the sink, its token, this venv's commands on PATH."""
+
+
+@contextlib.contextmanager
+def job_store(cluster: SlurmCluster, directory: Path) -> Iterator[JobStore]:
+    """An embedded store in `directory` whose ingest endpoint the cluster's jobs ship to: the
+    test server listens on the host's loopback only, which a node in its own network namespace
+    cannot reach, so the test holds the store and serves its ingest on the bridge address, with
+    a token, as `tracehound run` does for remote agents."""
+    from tracehound.tracing.store import open_store
+    from tracehound.tracing.store.ingest import IngestServer
+
+    store = open_store(f"chdb://{directory}")
+    token = secrets.token_hex(16)
+    server = IngestServer(store, host=cluster.host_address, token=token).start()
+    env = {"TRACEHOUND_SINK": server.url, "TRACEHOUND_INGEST_TOKEN": token,
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                    cluster.env.get("PATH", os.defpath)]),
+           "OMP_NUM_THREADS": "1"}
+    try:
+        yield JobStore(store, server, env)
+    finally:
+        server.stop()
+        store.close()
 
 
 def _end(process: subprocess.Popen[bytes], timeout: float = 15.0) -> None:

@@ -16,22 +16,16 @@ one store at a time, so each test opens and closes its own."""
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from slurm_harness import SlurmCluster
+from slurm_harness import JobStore, SlurmCluster, job_store
 
 from tracehound.agent.checkpoint import latest_complete
 from tracehound.controller.actions.scontrol import SlurmControl
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.store import TraceStore, open_store
-from tracehound.tracing.store.ingest import IngestServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -39,31 +33,13 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
 
 
-@dataclass
-class Store:
-    store: TraceStore
-    server: IngestServer
-    env: dict[str, str]
-    """What the job is submitted with: the sink, its token, this venv's commands on PATH."""
-
-
 @pytest.fixture
-def store(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[Store]:
-    opened = open_store(f"chdb://{tmp_path / 'store'}")
-    token = secrets.token_hex(16)
-    server = IngestServer(opened, host=slurm_cluster.host_address, token=token).start()
-    env = {"TRACEHOUND_SINK": server.url, "TRACEHOUND_INGEST_TOKEN": token,
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent),
-                                    slurm_cluster.env.get("PATH", os.defpath)]),
-           "OMP_NUM_THREADS": "1"}
-    try:
-        yield Store(opened, server, env)
-    finally:
-        server.stop()
-        opened.close()
+def store(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[JobStore]:
+    with job_store(slurm_cluster, tmp_path / "store") as held:
+        yield held
 
 
-def submit(cluster: SlurmCluster, store: Store, workdir: Path, *args: str) -> str:
+def submit(cluster: SlurmCluster, store: JobStore, workdir: Path, *args: str) -> str:
     """sbatch the script as it is on disk, from `workdir`; `args` go to the training script."""
     workdir.mkdir(parents=True, exist_ok=True)
     return cluster.sbatch(SCRIPT, args=args, env=store.env, cwd=workdir)
@@ -74,7 +50,7 @@ def output(workdir: Path, job: str) -> str:
 
 
 def test_a_healthy_job_runs_on_both_nodes_and_its_records_reach_the_store(
-        slurm_cluster: SlurmCluster, store: Store, tmp_path: Path) -> None:
+        slurm_cluster: SlurmCluster, store: JobStore, tmp_path: Path) -> None:
     work = tmp_path / "work"
     job = submit(slurm_cluster, store, work, "--steps", "40", "--checkpoint-every", "10")
     state = slurm_cluster.wait_job_state(job, {"COMPLETED", "FAILED", "CANCELLED"})
@@ -98,7 +74,7 @@ def test_a_healthy_job_runs_on_both_nodes_and_its_records_reach_the_store(
 
 
 def test_hung_then_requeued_it_resumes_from_its_checkpoint_as_attempt_1(
-        slurm_cluster: SlurmCluster, store: Store, tmp_path: Path) -> None:
+        slurm_cluster: SlurmCluster, store: JobStore, tmp_path: Path) -> None:
     # what the watcher does about a hang: rank 3 stops at step 30 in the first run (the example
     # script's own fault injection, in attempt 0 only), the job is requeued, and its second run
     # resumes from the checkpoint of step 30 and finishes

@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -31,12 +30,11 @@ from typing import Any
 
 import pytest
 from evidence_check import check_incidents
-from slurm_harness import SlurmCluster, start_cluster
+from slurm_harness import SlurmCluster, job_store, start_cluster
 
 from tracehound.tracing.events import ActionKind, JobPhase
 from tracehound.tracing.ids import JobId
-from tracehound.tracing.store import TraceStore, open_store
-from tracehound.tracing.store.ingest import IngestServer
+from tracehound.tracing.store import TraceStore
 from tracehound.tracing.store.sharing import Sharing
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
@@ -64,13 +62,12 @@ class Watched:
                  "--poll", "0.5"],
                 stdout=sink, stderr=err, env={**cluster.env, "PATH": self.env["PATH"]})
 
-    def ended(self, cluster: SlurmCluster) -> int:
-        """The watcher's exit status, once it ended with its job."""
+    def ended(self, cluster: SlurmCluster) -> None:
+        """Wait for the watcher to end with its job, and find it exited 0."""
         watcher = self.watcher
         assert watcher is not None
         cluster.wait_for("the watcher ends with the job", lambda: watcher.poll() is not None)
         assert watcher.returncode == 0, self.err.read_text()[-3000:]
-        return watcher.returncode
 
     def events(self) -> list[dict[str, Any]]:
         text = self.out.read_text() if self.out.exists() else ""
@@ -79,25 +76,18 @@ class Watched:
 
 @contextlib.contextmanager
 def watched_store(cluster: SlurmCluster, tmp_path: Path) -> Iterator[Watched]:
-    store = open_store(f"chdb://{tmp_path / 'store'}")
-    token = secrets.token_hex(16)
-    ingest = IngestServer(store, host=cluster.host_address, token=token).start()
-    sharing = Sharing(store)
-    watched = Watched(store, {
-        "TRACEHOUND_SINK": ingest.url, "TRACEHOUND_INGEST_TOKEN": token,
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent),
-                                 cluster.env.get("PATH", os.defpath)]),
-        "OMP_NUM_THREADS": "1"}, tmp_path / "watch.out", tmp_path / "watch.err")
-    try:
-        assert sharing.start() is not None
-        yield watched
-    finally:
-        if watched.watcher is not None and watched.watcher.poll() is None:
-            watched.watcher.send_signal(signal.SIGTERM)
-            watched.watcher.wait(timeout=60)
-        sharing.stop()
-        ingest.stop()
-        store.close()
+    """The job store of the Slurm harness, shared on loopback for the watcher's process."""
+    with job_store(cluster, tmp_path / "store") as held:
+        sharing = Sharing(held.store)
+        watched = Watched(held.store, held.env, tmp_path / "watch.out", tmp_path / "watch.err")
+        try:
+            assert sharing.start() is not None
+            yield watched
+        finally:
+            if watched.watcher is not None and watched.watcher.poll() is None:
+                watched.watcher.send_signal(signal.SIGTERM)
+                watched.watcher.wait(timeout=60)
+            sharing.stop()
 
 
 def test_watch_slurm_drains_the_stopped_ranks_node_and_the_requeued_job_resumes(
