@@ -103,12 +103,14 @@ class CollectingIngest:
 
 
 def start_node_agent(
-    *, job: str, node: str, socket_path: Path, spool: Path, sink: str, stats_file: Path
+    *, job: str, node: str, socket_path: Path, spool: Path, sink: str, stats_file: Path,
+    drain_s: float = 10.0,
 ) -> subprocess.Popen[bytes]:
+    """A node agent; asked to stop, it ships what is left for at most `drain_s` seconds."""
     return subprocess.Popen(
         [PYTHON, "-m", "tracehound.agent.node", "--job", job, "--node", node,
          "--socket", str(socket_path), "--spool", str(spool), "--sink", sink,
-         "--stats-file", str(stats_file), "--stats-interval", "2"],
+         "--stats-file", str(stats_file), "--stats-interval", "2", "--drain-s", str(drain_s)],
     )
 
 

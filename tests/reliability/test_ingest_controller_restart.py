@@ -380,14 +380,18 @@ def test_node_agents_replaced_under_writing_ranks_lose_nothing(tmp_path: Path) -
                 time.sleep(1.0)
                 old.kill()  # ... and is killed at the end of its grace
                 old.wait(timeout=30)
-                sink = ingest.url if n == handovers - 1 else gone
+                last = n == handovers - 1
+                # the last agent ships its predecessors' spool as well as what it reads; on a
+                # loaded machine that outlasts the default 10 s of shipping at a stop, which
+                # would leave the rest in the spool for a next agent, so it may ship until done
                 agents.append(start_node_agent(job=job, node="node-0", socket_path=socket_path,
-                                               spool=spool, sink=sink,
-                                               stats_file=tmp_path / f"stats-{n + 1}.json"))
+                                               spool=spool, sink=ingest.url if last else gone,
+                                               stats_file=tmp_path / f"stats-{n + 1}.json",
+                                               drain_s=300.0 if last else 10.0))
             time.sleep(1.0)
             for rank in ranks:
                 rank.finish()
-            assert stop(agents[-1], timeout=120) == 0
+            assert stop(agents[-1], timeout=330) == 0
             skipped = ingest.skipped_total
         stored = stored_keys(store, [job])
     finally:

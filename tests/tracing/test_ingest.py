@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import struct
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +23,7 @@ from tracehound.tracing.ids import GroupId, JobId, NodeId, Rank
 from tracehound.tracing.store import InsertReport
 from tracehound.tracing.store.embedded import EmbeddedClickHouseStore
 from tracehound.tracing.store.ingest import IngestResult, IngestServer, post_batch
-from tracehound.tracing.wire import encode
+from tracehound.tracing.wire import encode, encode_batch
 
 JOB = JobId("job-i")
 
@@ -175,3 +178,25 @@ def test_stop_then_url_says_not_running(embedded: EmbeddedClickHouseStore) -> No
     server.stop()
     with pytest.raises(RuntimeError, match="not running"):
         _ = server.url
+
+
+def test_a_sender_that_resets_before_its_answer_is_counted_and_the_next_is_served(
+        server: IngestServer, capfd: pytest.CaptureFixture[str]) -> None:
+    """A node agent whose request timed out closes its connection; the endpoint counts that
+    instead of printing socketserver's traceback, and goes on serving."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = encode_batch(Batch(batch_id="gone", records=(collective(0, 1),)))
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body) + 100}"
+                     f"\r\n\r\n".encode() + body)
+        # closed with a reset (linger 0) while the endpoint waits for the rest of the body
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    deadline = time.monotonic() + 30
+    while server.senders_gone_total == 0:
+        assert time.monotonic() < deadline, "the reset connection was never counted"
+        time.sleep(0.05)
+    following = Batch(batch_id="next", records=(collective(0, 2),))
+    status, payload, _ = post_raw(server.url, encode_batch(following))
+    assert status == 200 and payload["inserted"] == 1
+    assert server.senders_gone_total == 1
+    assert "Traceback" not in capfd.readouterr().err

@@ -127,6 +127,14 @@ class _Handler(BaseHTTPRequestHandler):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("ingest %s: %s", self.client_address[0], format % args)
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except ConnectionError as e:
+            # The sender gave up waiting (its timeout) or went away: what it posted is stored or
+            # not as the store said, and a sender that retries is known by its batch id.
+            self.server.ingest.note_sender_gone(self.client_address[0], e)
+
     def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None
                ) -> None:
         body = json.dumps(payload).encode()
@@ -245,6 +253,17 @@ class IngestServer:
         self.skipped_total = 0
         self.rejected_total = 0
         """Records refused by the decoder since start, across all batches."""
+        self.senders_gone_total = 0
+        """Connections whose sender left before its answer was written (broken or reset)."""
+
+    def note_sender_gone(self, host: str, error: ConnectionError) -> None:
+        with self._counts_lock:
+            self.senders_gone_total += 1
+            first = self.senders_gone_total == 1
+        # the first at info, the rest at debug: a sender that times out under load does so often
+        logger.log(logging.INFO if first else logging.DEBUG,
+                   "ingest: sender %s left before its answer (%s); %d so far", host,
+                   type(error).__name__, self.senders_gone_total)
 
     @property
     def url(self) -> str:
