@@ -41,6 +41,15 @@ STORE_ADAPTERS = [
 store that another process holds)."""
 
 
+def on_adapter(adapter: str, *values: object) -> object:
+    """One case of a test parametrized over `store_url` (indirectly) and its own values
+    together, on one adapter with that adapter's marks: for a test whose cases need not each
+    run on every adapter."""
+    (param,) = (p for p in STORE_ADAPTERS if p.id == adapter)
+    return pytest.param(adapter, *values, marks=param.marks,
+                        id="-".join([adapter, *map(str, values)]))
+
+
 def store_url_of(adapter: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh, empty store URL of one adapter for one test.
 
