@@ -99,15 +99,17 @@ LANE3_E2E=(tests/slurm tests/controller/test_watch_e2e.py tests/reliability)
 echo "== pytest, three lanes at once: the tests not marked e2e in parallel (pytest-xdist), then"
 echo "   the e2e tests of ${LANE1_E2E[*]} one at a time; beside them, the other e2e tests (real"
 echo "   training jobs and servers) one at a time, and the Slurm cluster's, at a lower priority"
+# each lane ends with its slowest tests, so a run that takes long says where its time went
+durations=(--durations=25 --durations-min=5)
 started=$(date +%s)
 # shellcheck disable=SC2086
 (
     first=0
-    "$PY" -m pytest -q -m "not e2e or clickhouse_cluster" -n 2 --dist loadgroup --timeout 900 \
+    "$PY" -m pytest -q -m "not e2e or clickhouse_cluster" -n 2 --dist loadgroup --timeout 900 "${durations[@]}" \
         --basetemp "$workdir/1" ${PYTEST_ARGS:-} || first=$?
     echo "== lane 1: the tests not marked e2e exited $first after $(( $(date +%s) - started )) s"
     second=0
-    nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 \
+    nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 "${durations[@]}" \
         --basetemp "$workdir/e" ${PYTEST_ARGS:-} "${LANE1_E2E[@]}" || second=$?
     exit $(( first > second ? first : second ))
 ) > "$workdir/lane-parallel.log" 2>&1 &
@@ -115,11 +117,11 @@ parallel_pid=$!
 ignored=()
 for path in "${LANE1_E2E[@]}" "${LANE3_E2E[@]}"; do ignored+=("--ignore=$path"); done
 # shellcheck disable=SC2086
-nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 "${ignored[@]}" \
+nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 "${durations[@]}" "${ignored[@]}" \
     --basetemp "$workdir/2" ${PYTEST_ARGS:-} > "$workdir/lane-e2e.log" 2>&1 &
 e2e_pid=$!
 # shellcheck disable=SC2086
-nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 \
+nice -n 10 "$PY" -m pytest -q -m "e2e and not clickhouse_cluster" --timeout 1200 "${durations[@]}" \
     --basetemp "$workdir/3" ${PYTEST_ARGS:-} "${LANE3_E2E[@]}" > "$workdir/lane-slurm.log" 2>&1 &
 slurm_pid=$!
 parallel_status=0
