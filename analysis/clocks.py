@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from tracehound.tracing.events import ClockReading
 from tracehound.tracing.summaries import F64, I64, ClockCorrection, ClockSamples
@@ -96,11 +97,11 @@ NO_CLOCKS = ClockEstimate(ref_us=0, nodes=(), offset_us=(), drift_ppm=(), uncert
 
 
 def _solve(samples: ClockSamples, *, group: I64, node: I64, x: F64, n_nodes: int,
-           n_cells: int) -> tuple[F64, F64, F64, F64]:
+           n_cells: int, sloped: npt.NDArray[np.bool_]) -> tuple[F64, F64, F64, F64]:
     """Per node the offset a (at x = 0) and slope s, with d ~ a[node] + s[node] * x - b[cell]
     (cell: the row's group and bucket), by least squares reweighted for outliers (Huber),
-    anchored so that the median node has offset and slope 0. Returns (a, s, residuals,
-    weights)."""
+    anchored so that the median node has offset and slope 0; a node not `sloped` (its rows'
+    x all 0) keeps slope 0. Returns (a, s, residuals, weights)."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.linalg import lsqr
 
@@ -114,7 +115,8 @@ def _solve(samples: ClockSamples, *, group: I64, node: I64, x: F64, n_nodes: int
     residual = np.zeros(rows)
     for _ in range(4):
         root = np.sqrt(weight)
-        data = np.concatenate([root, root * x, -root, np.full(2 * n_nodes, 1e3)])
+        data = np.concatenate([root, root * x, -root, np.full(n_nodes, 1e3),
+                               np.where(sloped, 1e3, 0.0)])
         r = np.concatenate([idx, idx, idx, np.full(n_nodes, rows), np.full(n_nodes, rows + 1)])
         c = np.concatenate([node, n_nodes + node, 2 * n_nodes + group, np.arange(n_nodes),
                             n_nodes + np.arange(n_nodes)])
@@ -125,7 +127,9 @@ def _solve(samples: ClockSamples, *, group: I64, node: I64, x: F64, n_nodes: int
         b = solution[2 * n_nodes:]
         residual = d - (a[node] + s[node] * x - b[group])
         weight = base * np.minimum(1.0, _HUBER_US / np.maximum(np.abs(residual), 1e-9))
-    return a - float(np.median(a)), s - float(np.median(s)), residual, weight
+    slope = (np.where(sloped, s - float(np.median(s[sloped])), 0.0) if sloped.any()
+             else np.zeros(n_nodes))
+    return a - float(np.median(a)), slope, residual, weight
 
 
 def estimate_clocks(samples: ClockSamples) -> ClockEstimate:
@@ -143,12 +147,15 @@ def estimate_clocks(samples: ClockSamples) -> ClockEstimate:
     lo, hi = int(samples.bucket.min()), int(samples.bucket.max())
     ref = int(samples.start_us + (lo + hi + 1) / 2.0 * samples.width_us)
     centers = samples.start_us + (samples.bucket.astype(np.float64) + 0.5) * samples.width_us
-    x = (centers - ref) / 1e6  # seconds from ref
-    # a node seen in one bucket only has no slope to speak of
-    spans = np.zeros(n_nodes)
-    np.maximum.at(spans, ncode, samples.bucket.astype(np.float64) - lo + 1)
+    # a node seen in one bucket only has no slope to speak of: its rows leave its slope at 0
+    first = np.full(n_nodes, np.iinfo(np.int64).max)
+    last = np.full(n_nodes, np.iinfo(np.int64).min)
+    np.minimum.at(first, ncode, samples.bucket)
+    np.maximum.at(last, ncode, samples.bucket)
+    sloped = last > first
+    x = np.where(sloped[ncode], (centers - ref) / 1e6, 0.0)  # seconds from ref
     a, slope, residual, weight = _solve(samples, group=ccode, node=ncode, x=x, n_nodes=n_nodes,
-                                         n_cells=cells.shape[0])
+                                         n_cells=cells.shape[0], sloped=sloped)
     total = np.bincount(ncode, weights=samples.n.astype(np.float64), minlength=n_nodes)
     rms = np.sqrt(np.bincount(ncode, weights=weight * residual**2, minlength=n_nodes)
                   / np.maximum(np.bincount(ncode, weights=weight, minlength=n_nodes), 1e-9))

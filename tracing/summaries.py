@@ -35,9 +35,11 @@ negative values, never wrapped ones):
 - ClockSamples: what node clock offsets are estimated from. Rows: in the window, completed, op in
   SYMMETRIC_OPS (members leave these within a short interval of each other) or a p2p pair
   group's send/recv rows; per (group, seq) whose rows come from at least two nodes: center =
-  the upper median of complete_us (sorted[count // 2], ClickHouse's quantileExact(0.5)); each
-  row's diff = complete_us - center; bucket = (center - start_us) // width_us. Per (group, node,
-  bucket): offset_us = upper median of diff, n = count; sorted by (group, node, bucket).
+  the upper median of complete_us (sorted[count // 2], ClickHouse's quantileExact(0.5)), kept
+  when start_us <= center < end_us (a call entered in the window that completed past its end
+  would make a bucket of its own from a few samples, which a node's drift would be fitted to);
+  each row's diff = complete_us - center; bucket = (center - start_us) // width_us. Per (group,
+  node, bucket): offset_us = upper median of diff, n = count; sorted by (group, node, bucket).
 - LinkStats, per (src, dst) over p2p pair groups (`":p2p:"` in the group id). Per (group, seq),
   only its send-side rows (op send/isend) and recv-side rows (op recv/irecv) count, any other op
   is ignored; it is a transfer when there is exactly one send-side row (src = its rank) and

@@ -417,7 +417,7 @@ def clock_samples(cols: CollectiveColumns, node_of_rank: Mapping[int, str], star
     node_sorted = np.lexsort((ncode, seg))
     firsts, _ = _segments(seg[node_sorted], ncode[node_sorted])
     np.add.at(distinct, seg[node_sorted][firsts], 1)
-    ok = distinct[seg] >= 2
+    ok = (distinct[seg] >= 2) & (center[seg] >= start_us) & (center[seg] < end_us)
     diff = (comp - center[seg])[ok]
     bucket = ((center[seg] - start_us) // width_us)[ok]
     g, nd = gcode[ok], ncode[ok]

@@ -161,6 +161,38 @@ def test_summaries_on_corrected_clocks_match_the_unskewed_trace() -> None:
     assert np.abs(links_fixed.transfer_mean_us - links_true.transfer_mean_us).max() < 60.0
 
 
+def test_a_window_whose_calls_complete_past_its_end_keeps_the_drift_of_its_own_buckets() -> None:
+    """Read as of a moment before the newest records (a replay as of the median rank's last
+    report), the calls entered just before that moment complete after it. Their few samples
+    are no bucket of their own: they once were, and a node's drift was fitted to them (a
+    simulated 1,024-rank pipeline straggler read its node's links as 4.8x slow through a drift
+    of 1,700 ppm fitted that way)."""
+    trace = build_trace(5, skew_ms=20.0, drift=5.0)
+    cut = trace.start_us + (trace.end_us - trace.start_us) * 9 // 10
+    width = clock_bucket_us(trace.start_us, cut)
+    samples = reference.clock_samples(trace.skewed, trace.node_of_rank, trace.start_us, cut,
+                                      width)
+    assert samples.bucket.max() == (cut - 1 - trace.start_us) // width
+    est = estimate_clocks(samples)
+    assert max(abs(d) for d in est.drift_ppm) < 20.0
+
+
+def test_a_node_seen_in_one_bucket_has_no_drift() -> None:
+    """Its slope cannot be told from its offset; it is 0, and its offset is what it showed."""
+    rows = [("0", "a", 0, 0.0), ("0", "b", 0, 0.0), ("0", "a", 1, 0.0), ("0", "b", 1, 0.0),
+            ("0", "c", 1, 900.0)]
+    samples = ClockSamples(
+        group=np.array([r[0] for r in rows], dtype=np.str_),
+        node=np.array([r[1] for r in rows], dtype=np.str_),
+        bucket=np.array([r[2] for r in rows], dtype=np.int64),
+        offset_us=np.array([r[3] for r in rows], dtype=np.float64),
+        n=np.full(len(rows), 10, dtype=np.int64), start_us=T0, width_us=1_000_000)
+    est = estimate_clocks(samples)
+    c = est.nodes.index("c")
+    assert est.drift_ppm[c] == 0.0
+    assert est.offset_us[c] == pytest.approx(900.0, abs=1.0)
+
+
 def test_no_samples_no_estimate() -> None:
     empty = ClockSamples(group=np.zeros(0, np.str_), node=np.zeros(0, np.str_),
                          bucket=np.zeros(0, np.int64), offset_us=np.zeros(0),

@@ -262,6 +262,8 @@ def naive_clock_samples(case: Case, width_us: int) -> ClockSamples:
             continue
         completes = sorted(m.complete_us for m in members)
         center = completes[len(completes) // 2]
+        if not case.start_us <= center < case.end_us:
+            continue
         for m in members:
             bucket = (center - case.start_us) // width_us
             cells[(group, case.node_of_rank[m.rank], bucket)].append(m.complete_us - center)

@@ -247,7 +247,7 @@ FROM (
                AND op IN ({send_op:String}, {isend_op:String}, {recv_op:String},
                           {irecv_op:String})))
     GROUP BY group_id, seq
-    HAVING uniqExact(node) >= 2
+    HAVING uniqExact(node) >= 2 AND center >= {start_us:UInt64} AND center < {end_us:UInt64}
 )
 ARRAY JOIN nodes AS node, completes AS complete
 GROUP BY group_id, node, bucket
