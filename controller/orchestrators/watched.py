@@ -73,6 +73,11 @@ def placement(snapshot: JobSnapshot, known: Mapping[int, str] | None = None) -> 
     return dict(sorted(nodes.items()))
 
 
+def known_nodes(rank_nodes: Mapping[int, str]) -> list[str]:
+    """The nodes of a `placement` its ranks have named, sorted (without `UNKNOWN_NODE`)."""
+    return sorted({n for n in rank_nodes.values() if n != UNKNOWN_NODE})
+
+
 def last_report_us(snapshot: JobSnapshot) -> int:
     """When anything of the attempt last reported (a heartbeat or a process sample); 0 never."""
     times = [hb.time_us for hb in snapshot.heartbeats]

@@ -60,9 +60,11 @@ from tracehound.controller.alerts import Alert
 from tracehound.controller.journal import JOURNAL_FILE
 from tracehound.controller.orchestrators.port import AttemptPlan, NodePool
 from tracehound.controller.orchestrators.watched import (
+    UNKNOWN_NODE,
     AttemptEnd,
     WatchedRanks,
     attempt_end,
+    known_nodes,
     placement,
 )
 from tracehound.controller.policy.recovery import SOFT_KINDS, PlannedAction, observe_only
@@ -443,19 +445,23 @@ class Watcher(Supervisor):
         self._watch_began_us = now
         self._min_attempt = attempt
         self._ending = None
-        self._nodes(sorted(set(snapshot_nodes.values())), self.pool.isolated)
+        nodes = known_nodes(snapshot_nodes)
+        self._nodes(nodes, self.pool.isolated)
         state = self._state
         if state is None or state.state in TERMINAL or state.attempt != attempt or (
                 state.state is JobPhase.RESTARTING):
             self._set_state(JobPhase.RUNNING, attempt, nodes=self.pool.current)
         self._phase = _Phase.WATCHING
-        nodes = sorted(set(snapshot_nodes.values()))
+        unreported = sum(n == UNKNOWN_NODE for n in snapshot_nodes.values())
+        # ranks a group names that have not reported yet (a launcher starts them apart): their
+        # nodes come in with their first reports, into the job's nodes, not into this event
+        not_yet = f", {unreported} rank(s) not reported yet" if unreported else ""
         self._event(EventKind.WATCHING,
                     f"watching job {self.spec.job} attempt {attempt}: {len(snapshot_nodes)} "
-                    f"ranks on {len(nodes)} node(s) ({', '.join(nodes)}); actions: "
+                    f"ranks on {len(nodes)} node(s) ({', '.join(nodes)}{not_yet}); actions: "
                     f"{self.actions.describe()}",
                     attempt=attempt, ranks=len(snapshot_nodes), nodes=nodes,
-                    picked_up=picked_up)
+                    unreported=unreported, picked_up=picked_up)
 
     def _nodes(self, current: Any, isolated: Any) -> None:
         """The pool the job's states name: its current nodes and those isolated (drained)."""
@@ -526,8 +532,8 @@ class Watcher(Supervisor):
         snapshot = watch.snapshot
         if snapshot is not None:
             learned = placement(snapshot, watch.rank_nodes)
-            if set(learned.values()) != set(self.pool.current):
-                self._nodes(sorted(set(learned.values())), self.pool.isolated)
+            if set(known_nodes(learned)) != set(self.pool.current):
+                self._nodes(known_nodes(learned), self.pool.isolated)
             watch.rank_nodes = learned
             self._pids = {int(hb.rank): int(hb.pid) for hb in snapshot.heartbeats}
         if isinstance(outcome, tuple):

@@ -152,6 +152,25 @@ def test_a_hung_rank_going_on_inside_its_collective_is_that_hang_ending_not_a_ne
     assert [r["incident"] for r in h.command_runs()] == ["w1/0/1"]
 
 
+def test_ranks_that_report_after_the_others_add_their_node_and_no_unknown_one(
+        store: TraceStore, tmp_path: Path) -> None:
+    """A launcher starts a job's nodes apart (a requeued Slurm job under load): the group names
+    all four ranks while node-1's have not reported. The watcher names the nodes it knows and
+    counts the ranks not heard from; their node joins the job's nodes when they report."""
+    h = Harness(store, tmp_path)
+    h.job.late = {2, 3}
+    watcher = h.watcher()
+    h.drive(watcher, lambda: EventKind.WATCHING in h.kinds())
+    watching = next(e for e in h.events if e.kind is EventKind.WATCHING)
+    assert (watching.data["ranks"], watching.data["nodes"], watching.data["unreported"]) == (
+        4, ["node-0"], 2)
+    assert "2 rank(s) not reported yet" in watching.text
+    assert h.states()[-1].nodes == ("node-0",) and list(watcher.pool.current) == ["node-0"]
+    h.job.late = set()
+    h.drive(watcher, lambda: list(watcher.pool.current) == ["node-0", "node-1"])
+    assert all("unknown" not in s.nodes for s in h.states())
+
+
 def test_a_stopped_rank_is_one_incident_whose_command_runs_once_and_the_job_ends_finished(
         store: TraceStore, tmp_path: Path) -> None:
     h = Harness(store, tmp_path)

@@ -42,6 +42,8 @@ class ReportingJob:
     inside_ticks: int = 0
     """Rounds after `resume(inside=...)` in which every rank still reports waiting in the
     collective the stopped rank froze in (it had entered it), until that call completes."""
+    late: set[int] = field(default_factory=set)
+    """Ranks its group names that do not report yet (started after the others)."""
     _announced: int = -1
     _last_tick: int = 0
     _gone_sent: bool = False
@@ -71,6 +73,8 @@ class ReportingJob:
         elif self.stopped is None or now < self.stopped_at:  # (reports made before the stop)
             self.seq += 1
             for rank, node in self.nodes.items():
+                if rank in self.late:
+                    continue
                 records.append(heartbeat(self.job, self.attempt, rank, now, self.seq, self.seq,
                                          now, node))
                 records.append(self._process(rank, now, "R"))
