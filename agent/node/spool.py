@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 SPOOL_ID_FILE = "spool-id"
 _OPEN, _SEALED, _INFLIGHT = ".open", ".seg", ".inflight"
+REJECTED_DIR = "rejected"
+"""Where segments a sink refused for good go, inside a spool directory."""
 
 
 class SpooledBatch:
@@ -498,7 +500,7 @@ class Spool:
 
     def set_aside(self, number: int) -> Path:
         """Move a segment the sink refused for good to `rejected/`."""
-        target_dir = self.directory / "rejected"
+        target_dir = self.directory / REJECTED_DIR
         target_dir.mkdir(mode=0o700, exist_ok=True)
         target = target_dir / self.path(number, _SEALED).name
         os.replace(self.path(number, _SEALED), target)
@@ -630,3 +632,12 @@ class Shipper:
             if result is ShipResult.RETRY:
                 time.sleep(max(0.0, min(self.backoff_s, end - monotonic())))
         return not self.spool.sealed()
+
+
+def waiting_segments(root: Path) -> int:
+    """Segments under `root` (a spool directory, or a directory of node spools) that an agent
+    has sealed or is shipping and has not shipped yet; those a sink refused for good
+    (`rejected/`) are not counted."""
+    return sum(1 for suffix in (_SEALED, _INFLIGHT) for path in root.rglob(f"seg-*{suffix}")
+               if path.parent.name != REJECTED_DIR)
+

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tracehound.agent.node.spool import waiting_segments
 from tracehound.controller.journal import write_atomic
 from tracehound.controller.orchestrators.port import AttemptPlan, Launched
 from tracehound.tracing import settings as env
@@ -594,7 +595,29 @@ class LocalOrchestrator:
     def finish(self) -> None:
         """The attempt ended by itself: let the node agents ship what they hold, then stop them."""
         self._stopping = True
+        self._ship_spools()
         self._stop_agents()
+
+    def _ship_spools(self, *, stalled_s: float = 10.0, limit_s: float = 300.0) -> None:
+        """No later agent ships what a finished job's node agents still spool (a backlog piled
+        up while the store or this controller was away; an agent given SIGTERM ships for 10 s
+        only): keep them running while their spools shrink, up to `limit_s`, and give up once
+        nothing shipped for `stalled_s` (the store is unreachable)."""
+        root = self.workdir / "spool"
+        left = waiting_segments(root)
+        if not left:
+            return
+        log.info("job over: waiting for the node agents to ship %d spooled segment(s)", left)
+        began = moved = time.monotonic()
+        while left and time.monotonic() - moved < stalled_s and time.monotonic() - began < limit_s:
+            time.sleep(0.2)
+            now_left = waiting_segments(root)
+            if now_left < left:
+                moved = time.monotonic()
+            left = now_left
+        if left:
+            log.warning("job over: %d spooled segment(s) not shipped after %.0f s; they stay in %s "
+                        "for a node agent started on it", left, time.monotonic() - began, root)
 
     def isolate(self, node: NodeId, *, reason: str) -> None:
         self.isolated[node] = reason
