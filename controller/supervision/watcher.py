@@ -532,8 +532,9 @@ class Watcher(Supervisor):
         snapshot = watch.snapshot
         if snapshot is not None:
             learned = placement(snapshot, watch.rank_nodes)
-            if set(known_nodes(learned)) != set(self.pool.current):
-                self._nodes(known_nodes(learned), self.pool.isolated)
+            reported = known_nodes(learned)
+            if set(reported) != set(self.pool.current):
+                self._nodes(reported, self.pool.isolated)
             watch.rank_nodes = learned
             self._pids = {int(hb.rank): int(hb.pid) for hb in snapshot.heartbeats}
         if isinstance(outcome, tuple):
