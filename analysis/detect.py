@@ -14,7 +14,8 @@ collective (`liveness.collective_wait`: one the recorder does not see, e.g. a co
 waits too, in a collective of unknown group: on every other rank of the job. The chain then runs
 through it to the ranks that wait on nobody (frozen or busy ones), and the evidence says that it
 waits where the trace does not show. Where the chain only returns to waiting ranks, the hang is
-not localized.
+not localized; such a cycle counts only once each of its ranks has waited `hang_after_s`
+(before that, it is reports sent at different moments, not a deadlock).
 
 The waits-for graph is never built edge by edge: the ranks a pending collective (group, seq)
 waits on are computed once per (group, seq) and expanded once, so a hang of 10,000 ranks in
@@ -395,6 +396,13 @@ def detect_hang(snap: JobSnapshot, settings: DetectionSettings) -> Verdict | Non
     roots, acyclic = graph.roots(w.rank for w in stalled)
     if not acyclic and untraced:
         roots = set()  # waiters waiting on waiters, some where no trace shows: not localized
+    elif not acyclic and any(stuck_us.get(r, 0) < hang_us for r in roots):
+        # Waiters waiting on each other, one of them only a moment: every member of a deadlock
+        # waits on for good, so the cycle is a view of reports sent at different moments (a
+        # waiter's last heartbeat from just before its collective completed, beside a peer that
+        # has moved on to the next one and was never seen in the first, as a backend's group
+        # `<group>:c10d` shows only its members that waited). The next look shows which.
+        return None
 
     stalled_groups: dict[str, int] = {}
     for wait in stalled:

@@ -14,6 +14,7 @@ from tracehound.tracing.events import (
     GroupProgress,
     Heartbeat,
     IncidentKind,
+    ProcessGroupInfo,
     ProcessSample,
     RankExit,
 )
@@ -241,3 +242,39 @@ def test_a_peer_still_inside_the_previous_collective_is_not_blamed() -> None:
     assert verdict is not None
     assert verdict.culprit_ranks == (1,)
     assert verdict.basis is Basis.CONTROL_DEPENDENCY
+
+
+def test_waiters_that_seem_to_wait_on_each_other_for_a_moment_are_no_hang() -> None:
+    # Seen in a loaded run of a real job: rank 3 loaded data for 12 s while ranks 0-2 waited in
+    # the backend's #246 of group 0 (reported as "0:c10d" by the ranks that waited in it, never
+    # by rank 3, which arrived last). Rank 0's newest heartbeat is from just before #246
+    # completed; ranks 1-3 have moved on into the next DDP bucket, which rank 0 has not entered.
+    # Rank 0 seems to wait on rank 3 and rank 3 on rank 0: a cycle of reports, not a deadlock.
+    now = T0 + 100 * S
+    entered = now - 12 * S
+    beats = [
+        beat(0, now - S // 2, progress("0:c10d", 246, 245, enq_us=entered),
+             progress("0:ddp", 100, 100, enq_us=entered - S)),
+        *(beat(r, now - S // 10, progress("0:c10d", 246, 246, enq_us=entered),
+               progress("0:ddp", 101, 100, enq_us=now - S // 5)) for r in (1, 2)),
+        beat(3, now - S // 10, progress("0:ddp", 101, 100, enq_us=now - S // 5)),
+    ]
+    backend = ProcessGroupInfo(job=JobId("j"), attempt=0, rank=Rank(0), group=GroupId("0:c10d"),
+                               ranks=(0, 1, 2, 3), backend="c10d", time_us=entered)
+    assert detect_hang(replace(snap(now, beats), groups=(backend,)), SETTINGS) is None
+
+
+def test_a_deadlock_across_two_groups_is_a_hang_of_its_ranks() -> None:
+    # Rank 0 waits in a #5 for rank 1, which waits in b #9 for rank 0: both for longer than the
+    # threshold, so nobody will ever move; ranks 2 and 3 are healthy elsewhere.
+    now = T0 + 100 * S
+    entered = now - 8 * S
+    beats = [
+        beat(0, now - S // 10, progress("a", 5, 4, enq_us=entered), progress("b", 8, 8, enq_us=0)),
+        beat(1, now - S // 10, progress("a", 4, 4, enq_us=0), progress("b", 9, 8, enq_us=entered)),
+        *(beat(r, now - S // 10, progress("c", 30, 30, enq_us=now - S)) for r in (2, 3)),
+    ]
+    verdict = detect_hang(snap(now, beats), SETTINGS)
+    assert verdict is not None
+    assert verdict.kind is IncidentKind.HANG
+    assert set(verdict.culprit_ranks) == {0, 1}
