@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from store_urls import on_adapter
 from supervisor_fakes import Clock, S, clean_exits, heartbeat
 
 from tracehound.analysis.settings import DetectionSettings, HangSettings
@@ -203,7 +204,18 @@ KILLS = {
 }
 
 
-@pytest.mark.parametrize("where", ["running", *KILLS, "restarting, attempt launched"])
+def in_turn(name: str, *values: object) -> pytest.MarkDecorator:
+    """Parametrize `name` over `values`, each on one adapter in turn (embedded, server,
+    cluster): every kill point once, every adapter under several of them, instead of every
+    pair (three times the CI run's time for the same steps of the supervisor)."""
+    adapters = ("embedded", "server", "cluster")
+    return pytest.mark.parametrize(
+        ("store_url", name),
+        [on_adapter(adapters[i % len(adapters)], v) for i, v in enumerate(values)],
+        indirect=["store_url"])
+
+
+@in_turn("where", "running", *KILLS, "restarting, attempt launched")
 def test_a_controller_killed_mid_recovery_finishes_it_exactly_once(
     store: TraceStore, tmp_path: Path, where: str
 ) -> None:
@@ -279,7 +291,7 @@ def test_a_controller_started_on_a_finished_job_starts_a_new_run(
     assert seqs == list(range(1, len(seqs) + 1))
 
 
-@pytest.mark.parametrize("phase", [JobPhase.SUSPECT, JobPhase.STALLED])
+@in_turn("phase", JobPhase.SUSPECT, JobPhase.STALLED)
 def test_a_controller_killed_while_watching_adopts_the_attempt_and_records_nothing_twice(
     store: TraceStore, tmp_path: Path, phase: JobPhase
 ) -> None:
@@ -345,7 +357,7 @@ def test_status_names_the_state_attempts_isolated_nodes_and_open_incidents(
     assert job_status(store, JobId("nobody")) is None
 
 
-@pytest.mark.parametrize("where", ["diagnosing", "isolating, node isolated"])
+@in_turn("where", "diagnosing", "isolating, node isolated")
 def test_an_alert_recorded_on_the_incident_changes_nothing_for_the_next_controller(
     store: TraceStore, tmp_path: Path, where: str
 ) -> None:

@@ -140,7 +140,12 @@ def test_crash_without_spares_restarts_in_place_and_gives_up_only_when_restarts_
     assert [a.kind for a in second.actions] == [ActionKind.STOP_JOB, ActionKind.GIVE_UP]
 
 
-@pytest.mark.parametrize(("stack_at_s", "ends_at_s"), [(9.0, 30.0), (None, 30.0), (None, 12.0)])
+# each case on one adapter: the waiting is the supervisor's, the store only holds the stacks
+# (nine cases took about 70 s of a CI worker)
+@pytest.mark.parametrize(("store_url", "stack_at_s", "ends_at_s"), [
+    on_adapter("embedded", 9.0, 30.0), on_adapter("server", None, 30.0),
+    on_adapter("cluster", None, 12.0),
+], indirect=["store_url"])
 def test_a_stall_waits_for_a_stack_of_its_rank_taken_since_the_peers_began_to_wait(
     store: TraceStore, tmp_path: Path, stack_at_s: float | None, ends_at_s: float
 ) -> None:
@@ -200,10 +205,10 @@ def test_a_stall_waits_for_a_stack_of_its_rank_taken_since_the_peers_began_to_wa
         assert incident.detected_at_us == min(first_seen + 10 * S, ends_at + S // 2)
 
 
-# each case on some adapters, not all: the rhythm is the supervisor's, the store only holds
-# the stacks and states (six cases took about a minute of the CI run's two cores)
+# each case on one adapter: the rhythm is the supervisor's, the store only holds the stacks
+# and states (six cases took about a minute of the CI run's two cores)
 @pytest.mark.parametrize(("store_url", "length_s", "stack_after_s"), [
-    on_adapter("embedded", 6, 1.0), on_adapter("server", 3, 3.5), on_adapter("cluster", 3, 3.5),
+    on_adapter("embedded", 6, 1.0), on_adapter("server", 3, 3.5),
 ], indirect=["store_url"])
 def test_a_pause_that_recurs_at_one_place_is_the_jobs_rhythm_and_a_far_longer_one_a_stall(
     store: TraceStore, tmp_path: Path, length_s: int, stack_after_s: float,
@@ -280,6 +285,9 @@ def test_a_pause_that_recurs_at_one_place_is_the_jobs_rhythm_and_a_far_longer_on
     ]
 
 
+# on the server alone: the analysis is scripted and the store only holds what the supervisor
+# records (the embedded engine's queries ran in the test's own process: 23 s against 9 s)
+@pytest.mark.parametrize("store_url", [on_adapter("server")], indirect=True)
 def test_a_straggler_seen_in_one_window_leaves_the_job_suspect_and_is_an_incident_when_seen_again(
     store: TraceStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

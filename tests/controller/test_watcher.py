@@ -39,16 +39,21 @@ from tracehound.tracing.ids import JobId
 from tracehound.tracing.store import TraceStore, open_store
 
 
-@pytest.fixture(params=[
-    pytest.param("server", marks=pytest.mark.clickhouse_server, id="server"),
-    pytest.param("embedded", id="embedded"),
-])
+@pytest.fixture(params=[pytest.param("embedded", id="embedded")])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TraceStore]:
-    """A fresh store on the server and on the embedded engine (the watcher reads through the
-    port only; the store's own contract, cluster mode included, is tests/tracing's)."""
+    """A fresh store: on the embedded engine, or on the server where a test says `ON_SERVER`.
+    The watcher reads through the port only (the store's own contract, cluster mode included,
+    is tests/tracing's), so each test runs on one of them, not both: the embedded engine's
+    queries run in the test's own process, three times the server's cost there."""
     for url in store_url_of(request.param, request, tmp_path):
         with open_store(url) as opened:
             yield opened
+
+
+ON_SERVER = pytest.mark.parametrize(
+    "store", [pytest.param("server", marks=pytest.mark.clickhouse_server, id="server")],
+    indirect=True)
+"""A watcher test on the ClickHouse server instead of the embedded engine."""
 
 
 SETTINGS = WatchSettings(
@@ -133,6 +138,7 @@ class Harness:
         return self.store.job_states(self.job.job)
 
 
+@ON_SERVER
 def test_a_hung_rank_going_on_inside_its_collective_is_that_hang_ending_not_a_new_one(
         store: TraceStore, tmp_path: Path) -> None:
     """A rank SIGSTOPped inside a collective and continued: for a moment every rank reports
@@ -216,6 +222,7 @@ def test_a_stopped_rank_is_one_incident_whose_command_runs_once_and_the_job_ends
     assert len(store.incidents(h.job.job)) == 1 and len(h.command_runs()) == 1
 
 
+@ON_SERVER
 def test_reports_that_reach_the_store_late_delay_a_verdict_but_make_no_rank_look_silent(
         store: TraceStore, tmp_path: Path) -> None:
     h = Harness(store, tmp_path)
@@ -266,6 +273,7 @@ def test_a_job_that_has_not_reported_yet_is_waited_for(store: TraceStore,
     h.drive(watcher, lambda: EventKind.WATCHING in h.kinds())
 
 
+@ON_SERVER
 @pytest.mark.parametrize("after", [False, True], ids=["before its command", "while it ran"])
 def test_a_watcher_killed_between_detecting_and_acting_leaves_one_incident_and_one_action(
         store: TraceStore, tmp_path: Path, after: bool) -> None:
@@ -342,6 +350,7 @@ def test_slurm_drains_and_requeues_once_across_a_restart_and_the_next_attempt_is
     assert len(store.incidents(h.job.job)) == 1
 
 
+@ON_SERVER
 def test_a_glob_watches_each_matching_job_that_reports_and_no_supervised_one(
         store: TraceStore, tmp_path: Path) -> None:
     clock = Clock()

@@ -12,8 +12,10 @@ import itertools
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from store_urls import on_adapter
 
 from tracehound.tracing.events import (
     Batch,
@@ -121,6 +123,10 @@ STORE = settings(max_examples=12, deadline=None,
                                         HealthCheck.too_slow])
 
 
+# on the server and the embedded engine: cluster mode stores these rows through the same
+# client as the server (its schema under every hostile name: the ingest test below)
+@pytest.mark.parametrize("store_url", [on_adapter("server"), on_adapter("embedded")],
+                         indirect=True)
 @STORE
 @given(jobs=st.lists(names, min_size=1, max_size=4, unique=True))
 @example(jobs=HOSTILE[:8])

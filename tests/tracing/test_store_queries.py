@@ -11,6 +11,7 @@ import uuid
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from store_urls import STORE_ADAPTERS
 from summary_data import (
     SIBLING_EXAMPLE,
     T0,
@@ -220,6 +221,12 @@ def as_batch(job: JobId, case: Case, batch_id: str) -> Batch:
     ))
 
 
+ON_EACH_ENGINE = pytest.mark.parametrize("store_url", STORE_ADAPTERS, indirect=True)
+"""The summaries' SQL on the server, its cluster mode and the embedded engine; not again through
+a shared store's client, whose holder runs the same SQL on the same engine as `embedded`."""
+
+
+@ON_EACH_ENGINE
 @pytest.mark.parametrize("seed", range(4))
 def test_summaries_in_sql_equal_the_numpy_reference(store: TraceStore, seed: int) -> None:
     case = random_case(seed)
@@ -246,6 +253,7 @@ def test_summaries_read_rows_from_the_batch_path_too(store: TraceStore) -> None:
     assert_store_matches_numpy(store, JOB, case)
 
 
+@ON_EACH_ENGINE
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=small_cases())
@@ -273,6 +281,7 @@ def test_disagreements_in_sql_carry_the_sibling_reference(store: TraceStore) -> 
     assert store.disagreements(JOB, 0, T0, T0 + 100, limit=2) == got[:2]
 
 
+@ON_EACH_ENGINE
 def test_clock_corrected_summaries_of_a_job_on_1600_nodes(store: TraceStore) -> None:
     """One rank per node, every node's clock corrected: the summary queries name 1,600
     offsets and drifts (about 400 KB of SQL), past the engines' default query size and AST
