@@ -444,6 +444,34 @@ class LocalOrchestrator:
         return found
 
     @staticmethod
+    def _finished_unwatched(plan: AttemptPlan, noted: Mapping[str, object]) -> bool:
+        """Whether every rank of `plan` left exit status 0 in its file, in an attempt no
+        controller stopped (`_note_stopped`)."""
+        if noted.get("stopped"):
+            return False
+        entries = {int(str(e.get("rank"))): e for e in _entries(noted.get("ranks"))}
+        if set(entries) != set(plan.rank_nodes()):
+            return False
+        for e in entries.values():
+            pid = e.get("pid")
+            if not isinstance(pid, int) or _Adopted(pid, 0, str(e.get("exit_file", ""))).status():
+                return False
+        return True
+
+    def _note_stopped(self, attempt: int) -> None:
+        """Mark the attempt's process file: its ranks were stopped, not finished, whatever
+        status they leave (a script may exit 0 on SIGTERM)."""
+        noted = self._read_pids(attempt)
+        if noted is None:
+            return
+        path = self.pid_file(attempt)
+        try:
+            write_atomic(path, json.dumps({**noted, "stopped": True}, indent=1).encode(),
+                         tmp=path.with_name(path.name + ".tmp"))
+        except OSError as exc:
+            log.warning("could not mark attempt %d stopped in %s: %s", attempt, path, exc)
+
+    @staticmethod
     def _live(entries: object) -> list[tuple[dict[str, object], _Adopted]]:
         """The noted processes still running as the same processes."""
         out = []
@@ -455,13 +483,16 @@ class LocalOrchestrator:
 
     def adopt(self, plan: AttemptPlan) -> bool:
         """Watch the ranks of `plan`'s attempt that an earlier controller launched, as if this
-        one had; False (nothing adopted) when none of them is running any more. Ranks that
-        ended unwatched are reported as exits with `EXIT_UNKNOWN` status."""
+        one had. Ranks that ended unwatched are reported as exits, with the status their files
+        give (`EXIT_UNKNOWN` without one). When none is running any more, the attempt is
+        adopted only if every rank left status 0 and no controller stopped it: it finished
+        while no controller watched, and its exits say so (relaunching it would train again
+        from its last checkpoint). Otherwise False: nothing adopted."""
         noted = self._read_pids(plan.attempt)
         if noted is None:
             return False
         ranks = self._live(noted.get("ranks"))
-        if not ranks:
+        if not ranks and not self._finished_unwatched(plan, noted):
             self.kill_leftovers(plan.attempt)  # its node agents, if any are left
             return False
         self._plan = plan
@@ -496,9 +527,15 @@ class LocalOrchestrator:
             threading.Thread(target=self._wait, args=(plan, proc), name=f"wait-rank-{proc.rank}",
                              daemon=True).start()
         self._write_pids(plan)
-        JobLogger(log, job=plan.job).info(
-            "attempt %d: adopted %d running ranks of an earlier controller (their node agents "
-            "restarted on the same sockets and spools)", plan.attempt, len(self._ranks))
+        if self._ranks:
+            JobLogger(log, job=plan.job).info(
+                "attempt %d: adopted %d running ranks of an earlier controller (their node "
+                "agents restarted on the same sockets and spools)", plan.attempt, len(self._ranks))
+        else:
+            JobLogger(log, job=plan.job).info(
+                "attempt %d: every rank ended with status 0 while no controller watched: adopted "
+                "as it ended (its node agents restarted to ship what their spools hold)",
+                plan.attempt)
         self._schedule_spares(plan)
         return True
 
@@ -571,6 +608,8 @@ class LocalOrchestrator:
     # -- stopping --------------------------------------------------------------------------
     def stop(self, *, grace_s: float = 3.0) -> None:
         self._stopping = True
+        if self._plan is not None:
+            self._note_stopped(self._plan.attempt)
         live = [p for p in self._ranks if p.popen.poll() is None]
         for p in live:
             _signal_group(p.popen, signal.SIGCONT)  # a stopped process cannot act on SIGTERM

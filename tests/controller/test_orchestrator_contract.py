@@ -146,3 +146,53 @@ def test_waiting_for_an_exit_returns_within_its_timeout(adapter: Adapter) -> Non
     assert woken is False  # nothing launched: nothing exited
     assert time.monotonic() - started >= 0.25
     assert slept in ([], [0.3])  # woken by exits (local), or the supervisor's sleep
+
+
+@pytest.mark.parametrize(("codes", "adopted"), [((0, 0, 0, 0), True), ((0, 0, 1, 0), False)],
+                         ids=["all status 0", "one failed"])
+def test_an_attempt_that_ended_unwatched_is_adopted_only_if_every_rank_finished(
+        tmp_path: Path, codes: tuple[int, ...], adopted: bool) -> None:
+    """(The local adapter.) A controller dies; its ranks end before the next one looks. If
+    each left status 0, the next one adopts the ended attempt and reports those exits, so the
+    job finishes instead of being relaunched from its last checkpoint; if one failed, nothing
+    is adopted (its supervisor relaunches it, as after any rank ended unknown)."""
+    workdir = tmp_path / "work"
+    first = LocalOrchestrator(workdir=workdir, sink="http://127.0.0.1:9/ingest",
+                              warm_spares=False)
+    script = f"import sys, os; sys.exit({list(codes)}[int(os.environ['RANK'])])"
+    attempt = AttemptPlan(job=JobId("contract"), attempt=0, nodes=NODES,
+                          nproc_per_node=PER_NODE, command=(sys.executable, "-c", script))
+    first.launch(attempt)
+    exits = exits_of(Adapter("local", first, lambda plan, code: None, lambda code: ()), 4)
+    assert sorted(e.exit_code for e in exits) == sorted(codes)
+    # the first controller is gone without finishing (its node agents still run)
+    second = LocalOrchestrator(workdir=workdir, sink="http://127.0.0.1:9/ingest",
+                               warm_spares=False)
+    try:
+        assert second.adopt(attempt) is adopted
+        if adopted:
+            again = exits_of(Adapter("local", second, lambda plan, code: None,
+                                     lambda code: ()), 4)
+            assert {int(e.rank): e.exit_code for e in again} == dict(enumerate(codes))
+            second.finish()
+    finally:
+        second.close()
+        first.close()
+
+
+def test_a_stopped_attempt_whose_ranks_exit_0_is_not_adopted(tmp_path: Path) -> None:
+    """(The local adapter.) Ranks that leave status 0 on SIGTERM, stopped by their
+    controller: stopped, not finished, so nothing is adopted."""
+    orch = LocalOrchestrator(workdir=tmp_path / "work", sink="http://127.0.0.1:9/ingest",
+                             warm_spares=False)
+    script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+              "time.sleep(60)")
+    attempt = AttemptPlan(job=JobId("contract"), attempt=0, nodes=NODES,
+                          nproc_per_node=PER_NODE, command=(sys.executable, "-c", script))
+    try:
+        orch.launch(attempt)
+        time.sleep(1.0)
+        orch.stop(grace_s=5.0)
+        assert orch.adopt(attempt) is False
+    finally:
+        orch.close()

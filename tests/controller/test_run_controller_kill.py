@@ -6,7 +6,8 @@ one left in the store (`controller.jobstate`) and does nothing twice.
   controller launches attempt 1 once and the incident gets its actions once;
 - killed while the job runs: the ranks (in sessions of their own) train on; the next
   controller adopts them, learns their exit status from the files they leave, and the job
-  finishes with no other incident acted on and no relaunch.
+  finishes with no other incident acted on and no relaunch (also when the ranks finished
+  before it looked: a loaded CI run relaunched such an attempt once, as attempt 2).
 
 Both kills happen to one job, one after the other.
 
@@ -134,7 +135,12 @@ def test_killed_while_restarting_then_while_running_launches_once_and_adopts(
     third = Controller(tmp_path, "kills", args)
     outcome = third.outcome()
     log_text = "".join(third.lines)
-    assert "picking the job up" in log_text and "adopted 4 running ranks" in log_text
+    assert "picking the job up" in log_text, log_text[-4000:]
+    # adopted running, or (on a loaded machine the ranks can finish before the third
+    # controller looks) ended with status 0 each: either way attempt 1 is not launched again
+    assert ("adopted 4 running ranks" in log_text
+            or "every rank ended with status 0 while no controller watched" in log_text), \
+        log_text[-4000:]
     assert outcome["completed"] is True, outcome
     incidents = cli("incidents", "--job", "kills", "--store", third.store, "--json")
     # the adopted ranks ended cleanly: nothing but the crash was diagnosed or acted on (a
