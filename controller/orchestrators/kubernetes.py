@@ -273,12 +273,25 @@ class KubernetesOrchestrator:
                                              f"{TAINT_KEY}:NoSchedule: {reason}")
 
     def adopt(self, plan: AttemptPlan) -> bool:
+        """Watch the pods of `plan`'s attempt as if this orchestrator had created them. When
+        none runs any more, the attempt is adopted only if each of its pods is there, not being
+        deleted (a stop deletes them) and its trainer ended with 0: it finished while no
+        controller watched, and `poll_exits` reports those exits. Otherwise False."""
         pods = self._attempt_pods(plan.attempt)
-        if not pods or all(self._ended_how(p)[0] is not None for p in pods):
+        codes = [self._ended_how(p)[0] for p in pods]
+        if not pods:
             return False
+        if all(c is not None for c in codes):
+            finished = (len(pods) == len(plan.nodes) and all(c == 0 for c in codes)
+                        and not any(p.metadata.deletion_timestamp for p in pods))
+            if not finished:
+                return False
+            log.info("job %s attempt %d: every pod's trainer ended with 0 while no controller "
+                     "watched: adopted as it ended", plan.job, plan.attempt)
+        else:
+            log.info("job %s attempt %d: adopted %d pods", plan.job, plan.attempt, len(pods))
         self.current = plan
         self._ended = set()
-        log.info("job %s attempt %d: adopted %d pods", plan.job, plan.attempt, len(pods))
         return True
 
     def kill_leftovers(self, attempt: int) -> int:

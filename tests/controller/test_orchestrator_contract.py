@@ -196,3 +196,40 @@ def test_a_stopped_attempt_whose_ranks_exit_0_is_not_adopted(tmp_path: Path) -> 
         assert orch.adopt(attempt) is False
     finally:
         orch.close()
+
+
+@pytest.mark.parametrize(("codes", "adopted"), [((0, 0), True), ((0, 1), False)],
+                         ids=["all status 0", "one failed"])
+def test_pods_that_ended_unwatched_are_adopted_only_if_every_trainer_finished(
+        codes: tuple[int, ...], adopted: bool) -> None:
+    """(The Kubernetes adapter, on kmock.) As for the local one: an attempt whose pods all
+    ended with 0 before the next controller looked is adopted, and its exits reported."""
+    emulator = Emulator().start()
+    cluster = Cluster(emulator.url)
+    for node in ("n0", "n1", "n2"):
+        cluster.add_node(node)
+    spec = TrainingJobSpec(image="registry.example/train:1", command=("python", "train.py"),
+                           nodes=len(NODES), procs_per_node=PER_NODE, spare_nodes=1)
+
+    def orchestrator() -> KubernetesOrchestrator:
+        return KubernetesOrchestrator(
+            core=cluster.core, namespace="default", resource="contract", spec=spec,
+            sidecar=ko.default_sidecar(image="tracehound:1"), image="tracehound:1",
+            pool=("n0", "n1", "n2"))
+
+    attempt = AttemptPlan(job=JobId("contract"), attempt=0, nodes=NODES,
+                          nproc_per_node=PER_NODE, command=("python", "train.py"))
+    first, second = orchestrator(), orchestrator()
+    try:
+        first.launch(attempt)
+        for node_rank, code in enumerate(codes):
+            cluster.end_pod("default", ko.pod_name("contract", 0, node_rank), code)
+        # the first controller is gone; the next one looks
+        assert second.adopt(attempt) is adopted
+        if adopted:
+            exits = second.poll_exits()
+            assert {int(e.rank): e.exit_code for e in exits} == dict.fromkeys(range(4), 0)
+    finally:
+        second.close()
+        first.close()
+        emulator.stop()
