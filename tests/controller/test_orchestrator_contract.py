@@ -65,15 +65,8 @@ def adapter(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Adapter]
         finally:
             orch.close()
         return
-    emulator = Emulator().start()
-    cluster = Cluster(emulator.url)
-    for node in ("n0", "n1", "n2"):
-        cluster.add_node(node)
-    spec = TrainingJobSpec(image="registry.example/train:1", command=("python", "train.py"),
-                           nodes=len(NODES), procs_per_node=PER_NODE, spare_nodes=1)
-    kube = KubernetesOrchestrator(core=cluster.core, namespace="default", resource="contract",
-                                  spec=spec, sidecar=ko.default_sidecar(image="tracehound:1"),
-                                  image="tracehound:1", pool=("n0", "n1", "n2"))
+    emulator, cluster = kube_cluster()
+    kube = kube_orchestrator(cluster)
 
     def end_all(plan: AttemptPlan, code: int) -> None:
         for node_rank in range(len(plan.nodes)):
@@ -84,6 +77,24 @@ def adapter(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Adapter]
     finally:
         kube.close()
         emulator.stop()
+
+
+def kube_cluster() -> tuple[Emulator, Cluster]:
+    """kmock's emulator with three nodes."""
+    emulator = Emulator().start()
+    cluster = Cluster(emulator.url)
+    for node in ("n0", "n1", "n2"):
+        cluster.add_node(node)
+    return emulator, cluster
+
+
+def kube_orchestrator(cluster: Cluster) -> KubernetesOrchestrator:
+    """An orchestrator of the job `contract` on `cluster` (one per controller)."""
+    spec = TrainingJobSpec(image="registry.example/train:1", command=("python", "train.py"),
+                           nodes=len(NODES), procs_per_node=PER_NODE, spare_nodes=1)
+    return KubernetesOrchestrator(core=cluster.core, namespace="default", resource="contract",
+                                  spec=spec, sidecar=ko.default_sidecar(image="tracehound:1"),
+                                  image="tracehound:1", pool=("n0", "n1", "n2"))
 
 
 def exits_of(adapter: Adapter, count: int, timeout_s: float = 60.0) -> list[RankExit]:
@@ -204,22 +215,10 @@ def test_pods_that_ended_unwatched_are_adopted_only_if_every_trainer_finished(
         codes: tuple[int, ...], adopted: bool) -> None:
     """(The Kubernetes adapter, on kmock.) As for the local one: an attempt whose pods all
     ended with 0 before the next controller looked is adopted, and its exits reported."""
-    emulator = Emulator().start()
-    cluster = Cluster(emulator.url)
-    for node in ("n0", "n1", "n2"):
-        cluster.add_node(node)
-    spec = TrainingJobSpec(image="registry.example/train:1", command=("python", "train.py"),
-                           nodes=len(NODES), procs_per_node=PER_NODE, spare_nodes=1)
-
-    def orchestrator() -> KubernetesOrchestrator:
-        return KubernetesOrchestrator(
-            core=cluster.core, namespace="default", resource="contract", spec=spec,
-            sidecar=ko.default_sidecar(image="tracehound:1"), image="tracehound:1",
-            pool=("n0", "n1", "n2"))
-
+    emulator, cluster = kube_cluster()
     attempt = AttemptPlan(job=JobId("contract"), attempt=0, nodes=NODES,
                           nproc_per_node=PER_NODE, command=("python", "train.py"))
-    first, second = orchestrator(), orchestrator()
+    first, second = kube_orchestrator(cluster), kube_orchestrator(cluster)
     try:
         first.launch(attempt)
         for node_rank, code in enumerate(codes):
