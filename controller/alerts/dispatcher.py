@@ -101,6 +101,8 @@ class Dispatcher:
         self._wall_clock = wall_clock
         self._rng = rng
         self._idle_s = idle_s
+        self._last_pass_until: float | None = None
+        """The deadline of `stop`'s last pass, while it runs."""
         self._states: dict[str, BackoffState] = {}
         self._next_try: dict[str, float] = {}
         """receiver -> when (on `clock`) its next try may start."""
@@ -151,7 +153,7 @@ class Dispatcher:
             now = self._clock() if now is None else now
             delivered = 0
             for name in self.outbox.receivers_with_pending():
-                if self._stop.is_set():
+                if self._stopped():
                     break
                 receiver = self.outbox.receivers.get(name)
                 if receiver is None:
@@ -164,7 +166,7 @@ class Dispatcher:
         state = self._states.setdefault(receiver.name, BackoffState(self.backoff, rng=self._rng))
         state.policy = self.backoff
         delivered = 0
-        while not self._stop.is_set():
+        while not self._stopped():
             delivery = self.outbox.head(receiver.name)
             if delivery is None:
                 break
@@ -285,16 +287,39 @@ class Dispatcher:
         self._thread = threading.Thread(target=self._run, name="tracehound-alerts", daemon=True)
         self._thread.start()
 
+    def _stopped(self) -> bool:
+        """Whether a pass gives up: once `stop` is called, except in its last pass, until
+        that pass's deadline."""
+        last = self._last_pass_until
+        if last is not None:
+            return self._clock() >= last
+        return self._stop.is_set()
+
     def stop(self, timeout: float = 5.0) -> bool:
-        """Stop the thread after its current request; whether it ended within `timeout` s
-        (what is still pending stays in the outbox for the next dispatcher)."""
+        """Stop the thread after its current request, then make one last pass over the
+        receivers whose wait is over, within what is left of `timeout` s: an incident that
+        resolved as the job ended is told with the run's end, not by whichever dispatcher comes
+        next (a loaded run's thread had not woken for it before the stop). Whether the thread
+        ended within `timeout` s; what is still pending stays in the outbox for the next
+        dispatcher."""
+        until = self._clock() + timeout
         self._stop.set()
         self._wake.set()
         thread = self._thread
         if thread is None:
             return True
         thread.join(timeout)
-        return not thread.is_alive()
+        if thread.is_alive():
+            return False
+        self._last_pass_until = until
+        try:
+            self.deliver_once()
+        except Exception:
+            log.exception("the last alert delivery pass failed; what is pending stays in the "
+                          "outbox")
+        finally:
+            self._last_pass_until = None
+        return True
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -592,6 +592,22 @@ def test_deliveries_for_a_receiver_no_longer_configured_are_set_aside(tmp_path: 
                                      "longer configured")
 
 
+def test_an_alert_queued_as_the_dispatcher_stops_goes_out_in_its_last_pass(
+        tmp_path: Path, endpoint: Callable[..., Endpoint]) -> None:
+    """A job that ends resolves its incident a moment before the run stops its dispatcher;
+    a loaded CI run's thread had not woken for that alert by then. Here the thread sleeps for
+    a minute and is not woken: `stop` still delivers it, in its last pass."""
+    server = endpoint()
+    dispatcher = Dispatcher(Outbox(tmp_path, [webhook("hook", server.url("/hook"))]),
+                            backoff=FAST, idle_s=60.0)
+    dispatcher.start()
+    time.sleep(0.5)  # its first pass, on an empty outbox; then it sleeps for a minute
+    assert dispatcher.outbox.enqueue(make_alert(status="resolved")) == 1  # no wake
+    assert dispatcher.stop(timeout=5)
+    assert statuses(server) == [("inc-1", "resolved")]
+    assert dispatcher.counts().pending == 0
+
+
 def test_stop_returns_while_the_receiver_is_down(tmp_path: Path) -> None:
     receivers = [webhook("hook", f"http://127.0.0.1:{free_port()}/")]
     dispatcher = Dispatcher(Outbox(tmp_path, receivers),
