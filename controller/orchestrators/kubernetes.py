@@ -278,9 +278,9 @@ class KubernetesOrchestrator:
         deleted (a stop deletes them) and its trainer ended with 0: it finished while no
         controller watched, and `poll_exits` reports those exits. Otherwise False."""
         pods = self._attempt_pods(plan.attempt)
-        codes = [self._ended_how(p)[0] for p in pods]
         if not pods:
             return False
+        codes = [self._ended_how(p)[0] for p in pods]
         if all(c is not None for c in codes):
             finished = (len(pods) == len(plan.nodes) and all(c == 0 for c in codes)
                         and not any(p.metadata.deletion_timestamp for p in pods))

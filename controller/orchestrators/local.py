@@ -423,14 +423,18 @@ class LocalOrchestrator:
                       for p in self._ranks],
             "agents": [entry(a.pid, node=n) for n, a in self._agents.items()],
         }
-        path = self.pid_file(plan.attempt)
+        self._note(plan.attempt, record, "the processes of")
+
+    def _note(self, attempt: int, record: Mapping[str, object], what: str) -> None:
+        """Write the attempt's process file (`what` it notes, for the warning if it cannot)."""
+        path = self.pid_file(attempt)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(record, indent=1).encode(),
                          tmp=path.with_name(path.name + ".tmp"))
         except OSError as exc:
-            log.warning("could not note the processes of attempt %d in %s (a controller "
-                        "started again will not find them): %s", plan.attempt, path, exc)
+            log.warning("could not note %s attempt %d in %s (a controller started again will "
+                        "not find it): %s", what, attempt, path, exc)
 
     def _read_pids(self, attempt: int) -> dict[str, object] | None:
         path = self.pid_file(attempt)
@@ -449,27 +453,16 @@ class LocalOrchestrator:
         controller stopped (`_note_stopped`)."""
         if noted.get("stopped"):
             return False
-        entries = {int(str(e.get("rank"))): e for e in _entries(noted.get("ranks"))}
-        if set(entries) != set(plan.rank_nodes()):
-            return False
-        for e in entries.values():
-            pid = e.get("pid")
-            if not isinstance(pid, int) or _Adopted(pid, 0, str(e.get("exit_file", ""))).status():
-                return False
-        return True
+        entries = _noted_ranks(noted)
+        return set(entries) == set(plan.rank_nodes()) and all(
+            _noted_status(e) == 0 for e in entries.values())
 
     def _note_stopped(self, attempt: int) -> None:
         """Mark the attempt's process file: its ranks were stopped, not finished, whatever
         status they leave (a script may exit 0 on SIGTERM)."""
         noted = self._read_pids(attempt)
-        if noted is None:
-            return
-        path = self.pid_file(attempt)
-        try:
-            write_atomic(path, json.dumps({**noted, "stopped": True}, indent=1).encode(),
-                         tmp=path.with_name(path.name + ".tmp"))
-        except OSError as exc:
-            log.warning("could not mark attempt %d stopped in %s: %s", attempt, path, exc)
+        if noted is not None:
+            self._note(attempt, {**noted, "stopped": True}, "the stop of")
 
     @staticmethod
     def _live(entries: object) -> list[tuple[dict[str, object], _Adopted]]:
@@ -510,18 +503,17 @@ class LocalOrchestrator:
         for node in plan.nodes:
             self._start_agent(plan, node, self._attempt_sockdir)
         seen = {p.rank for p in self._ranks}
-        noted_ranks = {int(str(e.get("rank"))): e for e in _entries(noted.get("ranks"))}
+        noted_ranks = _noted_ranks(noted)
         for rank, where in plan.rank_nodes().items():
             if rank in seen:
                 continue
             # ended before this controller looked: how, its status file may say
             e = noted_ranks.get(rank, {})
             pid = e.get("pid")
-            pid = pid if isinstance(pid, int) else 0
-            code = _Adopted(pid, 0, str(e.get("exit_file", ""))).status() if pid else EXIT_UNKNOWN
             self._exits.put(RankExit(
                 job=JobId(plan.job), attempt=plan.attempt, node=NodeId(where), rank=Rank(rank),
-                pid=pid, exit_code=code, time_us=now_us()))
+                pid=pid if isinstance(pid, int) else 0, exit_code=_noted_status(e),
+                time_us=now_us()))
             self._exited.set()
         for proc in self._ranks:
             threading.Thread(target=self._wait, args=(plan, proc), name=f"wait-rank-{proc.rank}",
@@ -673,6 +665,19 @@ class LocalOrchestrator:
 def _entries(value: object) -> list[dict[str, object]]:
     """The process entries of a pid file's list (whatever else it holds is ignored)."""
     return [e for e in value if isinstance(e, dict)] if isinstance(value, list) else []
+
+
+def _noted_ranks(noted: Mapping[str, object]) -> dict[int, dict[str, object]]:
+    """A pid file's rank entries by rank."""
+    return {int(str(e.get("rank"))): e for e in _entries(noted.get("ranks"))}
+
+
+def _noted_status(entry: Mapping[str, object]) -> int:
+    """How a noted rank ended, as its status file says (`EXIT_UNKNOWN` without one)."""
+    pid = entry.get("pid")
+    if not isinstance(pid, int) or not pid:
+        return EXIT_UNKNOWN
+    return _Adopted(pid, 0, str(entry.get("exit_file", ""))).status()
 
 
 def _end_agents(agents: Mapping[NodeId, _Process], timeout_s: float = 15.0) -> None:
