@@ -46,15 +46,18 @@ class Adapter:
 
 
 def plan(adapter: Adapter, attempt: int, code: int) -> AttemptPlan:
+    return contract_plan(adapter.command(code), attempt)
+
+
+def contract_plan(command: tuple[str, ...], attempt: int = 0) -> AttemptPlan:
     return AttemptPlan(job=JobId("contract"), attempt=attempt, nodes=NODES,
-                       nproc_per_node=PER_NODE, command=adapter.command(code))
+                       nproc_per_node=PER_NODE, command=command)
 
 
 @pytest.fixture(params=["local", "kubernetes"])
 def adapter(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Adapter]:
     if request.param == "local":
-        orch = LocalOrchestrator(workdir=tmp_path / "work", sink="http://127.0.0.1:9/ingest",
-                                 warm_spares=False)
+        orch = local_orchestrator(tmp_path / "work")
 
         def command(code: int) -> tuple[str, ...]:
             # each rank waits a moment (so that a stop finds it running), then exits with `code`
@@ -77,6 +80,11 @@ def adapter(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Adapter]
     finally:
         kube.close()
         emulator.stop()
+
+
+def local_orchestrator(workdir: Path) -> LocalOrchestrator:
+    """A local orchestrator in `workdir` (one per controller) whose agents ship nowhere."""
+    return LocalOrchestrator(workdir=workdir, sink="http://127.0.0.1:9/ingest", warm_spares=False)
 
 
 def kube_cluster() -> tuple[Emulator, Cluster]:
@@ -168,17 +176,14 @@ def test_an_attempt_that_ended_unwatched_is_adopted_only_if_every_rank_finished(
     job finishes instead of being relaunched from its last checkpoint; if one failed, nothing
     is adopted (its supervisor relaunches it, as after any rank ended unknown)."""
     workdir = tmp_path / "work"
-    first = LocalOrchestrator(workdir=workdir, sink="http://127.0.0.1:9/ingest",
-                              warm_spares=False)
+    first = local_orchestrator(workdir)
     script = f"import sys, os; sys.exit({list(codes)}[int(os.environ['RANK'])])"
-    attempt = AttemptPlan(job=JobId("contract"), attempt=0, nodes=NODES,
-                          nproc_per_node=PER_NODE, command=(sys.executable, "-c", script))
+    attempt = contract_plan((sys.executable, "-c", script))
     first.launch(attempt)
     exits = exits_of(Adapter("local", first, lambda plan, code: None, lambda code: ()), 4)
     assert sorted(e.exit_code for e in exits) == sorted(codes)
     # the first controller is gone without finishing (its node agents still run)
-    second = LocalOrchestrator(workdir=workdir, sink="http://127.0.0.1:9/ingest",
-                               warm_spares=False)
+    second = local_orchestrator(workdir)
     try:
         assert second.adopt(attempt) is adopted
         if adopted:
@@ -194,12 +199,10 @@ def test_an_attempt_that_ended_unwatched_is_adopted_only_if_every_rank_finished(
 def test_a_stopped_attempt_whose_ranks_exit_0_is_not_adopted(tmp_path: Path) -> None:
     """(The local adapter.) Ranks that leave status 0 on SIGTERM, stopped by their
     controller: stopped, not finished, so nothing is adopted."""
-    orch = LocalOrchestrator(workdir=tmp_path / "work", sink="http://127.0.0.1:9/ingest",
-                             warm_spares=False)
+    orch = local_orchestrator(tmp_path / "work")
     script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
               "time.sleep(60)")
-    attempt = AttemptPlan(job=JobId("contract"), attempt=0, nodes=NODES,
-                          nproc_per_node=PER_NODE, command=(sys.executable, "-c", script))
+    attempt = contract_plan((sys.executable, "-c", script))
     try:
         orch.launch(attempt)
         time.sleep(1.0)
@@ -216,8 +219,7 @@ def test_pods_that_ended_unwatched_are_adopted_only_if_every_trainer_finished(
     """(The Kubernetes adapter, on kmock.) As for the local one: an attempt whose pods all
     ended with 0 before the next controller looked is adopted, and its exits reported."""
     emulator, cluster = kube_cluster()
-    attempt = AttemptPlan(job=JobId("contract"), attempt=0, nodes=NODES,
-                          nproc_per_node=PER_NODE, command=("python", "train.py"))
+    attempt = contract_plan(("python", "train.py"))
     first, second = kube_orchestrator(cluster), kube_orchestrator(cluster)
     try:
         first.launch(attempt)
