@@ -1,7 +1,7 @@
 """The controller's durable journal: incidents, actions and rank exits on their way to the store.
 
-It sits below everyone who writes to the store from the controller: the supervisor, alert
-recording (`controller.alerts`) and the local orchestrator's durable files (`write_atomic`).
+It sits below everyone who writes to the store from the controller: the supervisor and alert
+recording (`controller.alerts`). Its files are written through `tracing.durable`.
 
 The supervisor writes to the store what it saw (rank exits) and what it did (incidents and their
 actions). A store outage must not lose any of them, however long it lasts, and must not store any
@@ -35,13 +35,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tracehound.tracing import kinds, wire
+from tracehound.tracing.durable import write_atomic, write_durably
 from tracehound.tracing.errors import StoreError, TemporaryStoreError
 from tracehound.tracing.events import Action, ActionKind, Batch, Incident, JobState, RankExit
 from tracehound.tracing.ids import JobId
@@ -204,38 +204,13 @@ def _line(value: dict[str, Any]) -> bytes:
     return json.dumps(value, separators=(",", ":"), sort_keys=True).encode() + b"\n"
 
 
-def _write_durably(path: Path, data: bytes, *, mode: str = "ab") -> None:
-    """Write `data` and fsync it before returning."""
-    with open(path, mode) as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def write_atomic(path: Path, data: bytes, *, tmp: Path) -> None:
-    """Replace `path` by `data` so that a crash leaves the old or the new file, never a part:
-    written and fsynced to `tmp`, renamed over `path`, the rename made durable."""
-    _write_durably(tmp, data, mode="wb")
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def _append(path: Path, data: bytes) -> None:
     """Append durably; a failing disk is logged, not raised: the supervisor must go on acting
     (the records stay in memory and are still written to the store)."""
     try:
-        _write_durably(path, data)
+        write_durably(path, data)
     except OSError as exc:
         log.error("journal %s: could not write (records kept in memory only): %s", path, exc)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or a new file in `directory` durable (its entry, not the file's data)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- writing to the store ----------------------------------------------------------------------

@@ -195,6 +195,29 @@ DEFAULT_OTEL_SPANS_EVERY = 0
 TRACEHOUND_CHECKPOINT_DIR = "TRACEHOUND_CHECKPOINT_DIR"
 """Directory of the job's checkpoints, shared by all attempts (set by `tracehound run`)."""
 
+TRACEHOUND_SNAPSHOT_KEEPERS = "TRACEHOUND_SNAPSHOT_KEEPERS"
+"""The snapshot keepers of the job's nodes, in node order: `node-0=http://host:port,node-1=...`
+(set by `tracehound run`). A rank's `checkpoint.snapshot` sends its state to its own node's keeper
+and a replica to another node's; `checkpoint.load` asks them all. Unset: snapshots go to disk
+only, when persisted."""
+
+TRACEHOUND_SNAPSHOT_REPLICAS = "TRACEHOUND_SNAPSHOT_REPLICAS"
+"""1 (default): every snapshot also goes to the keeper of another node, so that the ranks of an
+isolated node can be restored on a spare; 0: to the own node's keeper only."""
+
+TRACEHOUND_SNAPSHOT_KEEP = "TRACEHOUND_SNAPSHOT_KEEP"
+"""How many snapshots of each rank a keeper holds (default DEFAULT_SNAPSHOT_KEEP, at least 1);
+older ones are dropped as newer ones arrive."""
+
+DEFAULT_SNAPSHOT_KEEP = 2
+
+TRACEHOUND_SNAPSHOT_BUDGET_MB = "TRACEHOUND_SNAPSHOT_BUDGET_MB"
+"""The memory a node's keeper may hold, in MiB (default DEFAULT_SNAPSHOT_BUDGET_MB): its own
+ranks' snapshots and the replicas it keeps for other nodes. A snapshot that cannot fit beside
+the newest of every rank is refused with an error that names this variable."""
+
+DEFAULT_SNAPSHOT_BUDGET_MB = 2048.0
+
 TRACEHOUND_ALERTS = "TRACEHOUND_ALERTS"
 """A global alert receivers file (YAML or JSON), used by every `tracehound run` beside the job's
 own `--alerts` file; a receiver's `jobs` patterns limit it to some jobs."""

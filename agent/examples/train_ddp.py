@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="train until this step")
     parser.add_argument("--checkpoint-every", type=int, default=25, help="0: never")
+    parser.add_argument("--snapshot-every", type=int, default=0,
+                        help="in-memory snapshots every N steps, persisted to disk in the "
+                             "background at --checkpoint-every instead of a synchronous save "
+                             "(0: off)")
     parser.add_argument("--pg-timeout-s", type=float, default=60.0)
     parser.add_argument("--step-sleep-ms", type=float, default=0.0)
     parser.add_argument("--print-every", type=int, default=10)
@@ -185,16 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         return {"model": model_state, "optim": optim_state}
 
     start = 0
-    if args.checkpoint_every > 0 and os.environ.get("TRACEHOUND_CHECKPOINT_DIR"):
+    checkpoints = os.environ.get("TRACEHOUND_CHECKPOINT_DIR")
+    if (args.checkpoint_every > 0 or args.snapshot_every > 0) and checkpoints:
         loaded_state = state()
-        resumed = checkpoint.load(loaded_state)
+        resumed = checkpoint.load_from(loaded_state)
         if resumed is not None:
             set_state_dict(
                 model, optimizer,
                 model_state_dict=loaded_state["model"], optim_state_dict=loaded_state["optim"],
             )
-            start = resumed
-            print(f"rank {rank}/{world}: resumed from step {start}", flush=True)
+            start = resumed.step
+            print(f"rank {rank}/{world}: resumed from step {start} "
+                  f"({resumed.describe()})", flush=True)
 
     timed_from, timed_at = 0.0, start
     for step in range(start, args.steps):
@@ -219,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         if start and step == start:  # what a restart benchmark times: training resumed here
             print(f"rank {rank}/{world}: first step after resume at {time.time():.6f}",
                   flush=True)
-        if (
-            args.checkpoint_every > 0
-            and done % args.checkpoint_every == 0
-            and os.environ.get("TRACEHOUND_CHECKPOINT_DIR")
-        ):
+        persist = args.checkpoint_every > 0 and done % args.checkpoint_every == 0
+        if args.snapshot_every > 0 and done % args.snapshot_every == 0 and checkpoints:
+            checkpoint.snapshot(state(), done, persist=persist)
+        elif persist and checkpoints:
             checkpoint.save(state(), done)
+        if persist and checkpoints:
             slow_checkpoint(args, rank, done)
 
     timed = args.steps - timed_at

@@ -34,8 +34,8 @@ from typing import Any, Final
 
 from tracehound.analysis.verdict import Verdict
 from tracehound.controller.actions.port import ActionsUnavailable, Outcome
-from tracehound.controller.journal import write_atomic
 from tracehound.controller.policy.recovery import PlannedAction
+from tracehound.tracing.durable import write_atomic
 from tracehound.tracing.events import ActionKind, Incident, now_us
 from tracehound.tracing.kinds import MAX_TEXT
 

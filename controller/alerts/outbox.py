@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from tracehound.controller.alerts.model import Alert, Delivery, Receiver
-from tracehound.controller.journal import fsync_dir, write_atomic
+from tracehound.tracing.durable import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 

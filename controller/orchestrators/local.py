@@ -45,9 +45,10 @@ from pathlib import Path
 from typing import IO
 
 from tracehound.agent.node.spool import waiting_segments
-from tracehound.controller.journal import write_atomic
+from tracehound.controller.orchestrators.keepers import NodeKeepers
 from tracehound.controller.orchestrators.port import AttemptPlan, Launched
 from tracehound.tracing import settings as env
+from tracehound.tracing.durable import write_atomic
 from tracehound.tracing.events import EXIT_UNKNOWN, RankExit, now_us
 from tracehound.tracing.ids import JobId, NodeId, Rank
 from tracehound.tracing.logs import JobLogger
@@ -200,6 +201,8 @@ class LocalOrchestrator:
         self._spares_lock = threading.Lock()
         self._spare_timer: threading.Timer | None = None
         self._closed = False
+        self.keepers = NodeKeepers(workdir, env=self._agent_env)
+        """The nodes' snapshot keepers: kept across attempts, dropped with an isolated node."""
 
     # -- launching -------------------------------------------------------------------------
     def _start_agent(self, plan: AttemptPlan, node: NodeId, sockdir: Path | None = None) -> Path:
@@ -239,6 +242,7 @@ class LocalOrchestrator:
         logdir.mkdir(parents=True, exist_ok=True)
         self._exit_file(plan.attempt, 0).parent.mkdir(parents=True, exist_ok=True)
         world = plan.world_size
+        keepers = self.keepers.ensure(plan.nodes)
         for node_rank, node in enumerate(plan.nodes):
             sock = self._start_agent(plan, node)
             for local in range(plan.nproc_per_node):
@@ -266,6 +270,7 @@ class LocalOrchestrator:
                     env.TRACEHOUND_CHECKPOINT_DIR: str(self.checkpoint_dir),
                     env.TRACEHOUND_EXIT_FILE: str(self._exit_file(plan.attempt, rank)),
                     env.TRACEHOUND_HEARTBEAT_S: str(self.heartbeat_s),
+                    env.TRACEHOUND_SNAPSHOT_KEEPERS: keepers,
                     **recorder_env(job=plan.job, node=node, socket_path=str(sock)),
                 }
                 log_path = logdir / f"rank-{rank}.log"
@@ -652,11 +657,13 @@ class LocalOrchestrator:
 
     def isolate(self, node: NodeId, *, reason: str) -> None:
         self.isolated[node] = reason
+        self.keepers.drop(node)
 
     def close(self) -> None:
         self._close_spares()
         if any(p.popen.poll() is None for p in self._ranks) or self._agents:
             self.stop(grace_s=1.0)
+        self.keepers.close()
         shutil.rmtree(self._sockdir, ignore_errors=True)
         for old in self._old_sockdirs:
             shutil.rmtree(old, ignore_errors=True)

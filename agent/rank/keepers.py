@@ -1,0 +1,126 @@
+"""The training rank's side of the node keepers (`agent.node.keeper`): where they are, and HTTP.
+
+`Keepers.from_env` reads TRACEHOUND_SNAPSHOT_KEEPERS (`node-0=http://host:port,...`, in node
+order) and names this rank's own keeper and the one that holds its replicas: the node half the
+list away (so a job whose parallel groups span neighbouring nodes keeps a snapshot and its replica
+apart more often than with the next node). `KeeperClient` puts, lists and fetches snapshots.
+
+Nothing here raises into training once configured: the callers catch and count `KeeperError`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tracehound.tracing import settings as env
+
+
+class KeeperError(OSError):
+    """A keeper that did not answer, or refused; the message names the keeper and the reason."""
+
+
+@dataclass(frozen=True)
+class KeeperClient:
+    node: str
+    url: str
+    timeout_s: float = 10.0
+
+    def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        parts = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
+                                          timeout=self.timeout_s)
+        try:
+            conn.request(method, path, body=body,
+                         headers={"Content-Type": "application/octet-stream"} if body else {})
+            response = conn.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise KeeperError(f"keeper of node {self.node} at {self.url}: {exc!r}") from exc
+        finally:
+            conn.close()
+
+    def put(self, data: bytes) -> None:
+        status, body = self._request("PUT", "/v1/snapshots", data)
+        if status != 201:
+            raise KeeperError(f"keeper of node {self.node} refused a snapshot ({status}): "
+                              f"{_error_of(body)}")
+
+    def index(self, job: str) -> list[dict[str, Any]]:
+        status, body = self._request("GET", "/v1/snapshots?" + urllib.parse.urlencode({"job": job}))
+        if status != 200:
+            raise KeeperError(f"keeper of node {self.node}: listing answered {status}: "
+                              f"{_error_of(body)}")
+        rows = json.loads(body)
+        return rows if isinstance(rows, list) else []
+
+    def fetch(self, job: str, rank: int, step: int) -> bytes | None:
+        path = f"/v1/snapshots/{urllib.parse.quote(job, safe='')}/{rank}/{step}"
+        status, body = self._request("GET", path)
+        if status == 404:
+            return None
+        if status != 200:
+            raise KeeperError(f"keeper of node {self.node}: fetch answered {status}: "
+                              f"{_error_of(body)}")
+        return body
+
+    def stats(self) -> dict[str, Any]:
+        status, body = self._request("GET", "/v1/stats")
+        if status != 200:
+            raise KeeperError(f"keeper of node {self.node}: stats answered {status}")
+        value = json.loads(body)
+        return value if isinstance(value, dict) else {}
+
+
+def _error_of(body: bytes) -> str:
+    try:
+        return str(json.loads(body).get("error", body[:200]))
+    except (ValueError, AttributeError):
+        return body[:200].decode(errors="replace")
+
+
+def parse_keepers(text: str, *, name: str = env.TRACEHOUND_SNAPSHOT_KEEPERS) -> list[KeeperClient]:
+    """`node-0=http://host:port,node-1=...` -> clients in that order; SettingError otherwise."""
+    clients: list[KeeperClient] = []
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        node, sep, url = item.partition("=")
+        parts = urllib.parse.urlsplit(url)
+        if not sep or not node or parts.scheme != "http" or not parts.hostname or not parts.port:
+            raise env.SettingError(f"{name}={text!r}: expected NODE=http://HOST:PORT entries "
+                                   f"separated by commas, e.g. node-0=http://127.0.0.1:7070")
+        clients.append(KeeperClient(node=node, url=url))
+    return clients
+
+
+@dataclass(frozen=True)
+class Keepers:
+    """The job's keepers, and which of them are this rank's own and its replica holder."""
+
+    all: tuple[KeeperClient, ...]
+    own: KeeperClient | None
+    replica: KeeperClient | None
+
+    @classmethod
+    def from_env(cls, node: str, environ: Mapping[str, str] | None = None) -> Keepers:
+        clients = parse_keepers(env.env_str(env.TRACEHOUND_SNAPSHOT_KEEPERS, env=environ))
+        replicas = env.env_int(env.TRACEHOUND_SNAPSHOT_REPLICAS, 1, env=environ)
+        return cls.place(clients, node, replicas=replicas > 0)
+
+    @classmethod
+    def place(cls, clients: list[KeeperClient], node: str, *, replicas: bool = True) -> Keepers:
+        nodes = [c.node for c in clients]
+        if node not in nodes:
+            return cls(all=tuple(clients), own=None, replica=None)
+        mine = nodes.index(node)
+        replica = None
+        if replicas and len(clients) > 1:
+            replica = clients[(mine + max(1, len(clients) // 2)) % len(clients)]
+        return cls(all=tuple(clients), own=clients[mine], replica=replica)
+
+    def lookup_order(self) -> list[KeeperClient]:
+        """Own keeper first (its memory is the nearest), then the others in node order."""
+        return ([self.own] if self.own else []) + [c for c in self.all if c is not self.own]
