@@ -36,6 +36,11 @@ class HangSettings:
     """Peers may wait this long on a rank that is alive and busy outside collectives (writing a
     checkpoint, evaluating, compiling, loading data) before it counts as a hang; until then it is
     a stall, recorded and watched. Like torch's own watchdog, 10 minutes by default."""
+    idle_grace_s: float = 30.0
+    """Peers may wait this long on a rank that is alive, outside collectives and idle (asleep,
+    no CPU, no storage I/O, the same stack: `analysis.idle`) before it counts as a hang, or
+    `rhythm_factor` times its longest past pause at that place, if longer. Never more than the
+    busy grace."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

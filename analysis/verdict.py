@@ -41,6 +41,10 @@ class Basis(enum.StrEnum):
     BUSY_TIMEOUT = "busy_timeout"
     """The culprits were alive and busy outside collectives, but kept their peers waiting
     longer than the busy grace: the program is stuck there, the machine is not implicated."""
+    IDLE_TIMEOUT = "idle_timeout"
+    """The culprits were alive, outside collectives and idle (asleep, no CPU, no storage I/O,
+    the same stack) while their peers waited, for the idle grace (`analysis.idle`): the
+    program is stuck there, the machine is not implicated."""
 
 
 class Fact(enum.StrEnum):
@@ -63,6 +67,9 @@ class Fact(enum.StrEnum):
     """The rank has been inside one operation that does not complete."""
     BUSY = "busy"
     """The rank is alive and outside collectives (checkpoint, evaluation, data loading)."""
+    IDLE = "idle"
+    """The rank is alive, outside collectives and doing nothing: no CPU, no storage I/O, the
+    same stack (`analysis.idle`)."""
     CLOCK = "clock"
     """The nodes' clocks differ: times were compared after correcting for it (offsets and
     their uncertainty)."""

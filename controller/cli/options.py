@@ -34,6 +34,12 @@ def detection_args(p: argparse.ArgumentParser) -> None:
                         "recorded, never acted on until it lasts this long; also how long an "
                         "unsure verdict is watched before a restart that evicts nobody "
                         "(default: 600, like torch's watchdog)")
+    p.add_argument("--idle-grace", type=float, default=30.0, metavar="S",
+                   help="such a rank that does nothing at all (asleep, no CPU, no storage I/O, "
+                        "the same stack: a dead data loader, a deadlock in its own code) is a "
+                        "hang after this long, or after 3 times the longest pause the job made "
+                        "at that place before; restarted, its machine not evicted "
+                        "(default: 30)")
 
 
 def supervisor_settings(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -48,6 +54,10 @@ def supervisor_settings(args: argparse.Namespace, **overrides: Any) -> Any:
     if not args.busy_grace >= args.hang_after:
         raise ValueError(f"--busy-grace must be at least --hang-after "
                          f"({args.hang_after} s), got {args.busy_grace}")
+    idle_grace = getattr(args, "idle_grace", 30.0)
+    if not args.hang_after <= idle_grace:
+        raise ValueError(f"--idle-grace must be at least --hang-after "
+                         f"({args.hang_after} s), got {idle_grace}")
     policy_file = getattr(args, "policy", None)
     if policy_file is not None:
         from tracehound.controller.policy.file import load_policy
@@ -61,7 +71,8 @@ def supervisor_settings(args: argparse.Namespace, **overrides: Any) -> Any:
                                 max_restarts=3 if max_restarts is None else max_restarts)
     return SupervisorSettings(
         detection=DetectionSettings(
-            hang=HangSettings(after_s=args.hang_after, busy_grace_s=args.busy_grace)),
+            hang=HangSettings(after_s=args.hang_after, busy_grace_s=args.busy_grace,
+                              idle_grace_s=min(idle_grace, args.busy_grace))),
         policy=policy, **overrides,
     )
 

@@ -13,8 +13,9 @@ sets them in one policy file (`controller.policyfile`), and every `PlannedAction
   checkpoint.
 - A stall (peers wait on a rank that is alive and busy outside collectives: a checkpoint write,
   an evaluation, compilation, data loading) is only observed. The analysis turns it into a hang
-  once it lasts the busy grace; such a hang restarts without isolating anyone, since the
-  process was alive and its machine is not implicated.
+  once it lasts the busy grace, or the idle grace where the rank does nothing at all
+  (`analysis.idle`); such a hang restarts without isolating anyone, since the process was alive
+  and its machine is not implicated.
 - Soft faults (straggler, slow link, node outlier) are only observed until they are seen in
   `repeats` consecutive windows; then they are treated like hard ones. A slow machine costs
   time, a wrong eviction costs a restart: a repeat is the price of not crying wolf. (Seen in
@@ -124,7 +125,8 @@ DEFAULT_RULES: Final[Mapping[IncidentKind, KindRule]] = MappingProxyType({
         why="the training program is at fault: no machine is, and a restart would repeat it"),
     IncidentKind.STALL: KindRule(
         response=Response.OBSERVE, isolate_from=None,
-        why="the rank is alive and busy; the analysis makes it a hang after the busy grace"),
+        why="the rank is alive and busy; the analysis makes it a hang after the busy grace "
+            "(the idle grace when it does nothing at all)"),
 })
 """The default rule of every verdict kind. A kind without one gets `KindRule()`."""
 
@@ -333,7 +335,7 @@ def plan_recovery(
                        "the training program itself is at fault; a restart would repeat it")
     running = verdict.kind not in STOPPED_KINDS
     nodes = tuple(NodeId(n) for n in verdict.culprit_nodes)
-    machine = verdict.basis is not Basis.BUSY_TIMEOUT
+    machine = verdict.basis not in (Basis.BUSY_TIMEOUT, Basis.IDLE_TIMEOUT)
     localized = verdict.basis is not Basis.UNLOCALIZED
     unsure = not localized or verdict.confidence < rule.act_from
     sure = (machine and rule.isolate_from is not None
@@ -393,7 +395,8 @@ def plan_recovery(
         why = ""
     elif not machine:
         decided = ("watch_s" if running else doubt_key) if doubt else f"{at}.act_from"
-        why = "the rank was alive and busy: its machine is not implicated; "
+        why = (f"the rank was alive and {'idle' if verdict.basis is Basis.IDLE_TIMEOUT else 'busy'}"
+               ": its machine is not implicated; ")
     elif doubt:
         decided = "watch_s" if running else doubt_key
         why = f"{doubt}{also}; nobody evicted; "

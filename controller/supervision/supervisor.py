@@ -34,6 +34,7 @@ from typing import Final
 import msgspec
 
 from tracehound.analysis.diagnose import diagnose_with_records
+from tracehound.analysis.idle import IdleTracker, idle_hang
 from tracehound.analysis.observation import Observation, load_observation
 from tracehound.analysis.rhythm import (
     EXPECTED_PAUSE,
@@ -266,6 +267,11 @@ class Supervisor:
         self._held: tuple[Verdict, tuple[PlannedAction, ...]] | None = None
         """A stall held back for its rank's stack (`_awaits_stack`), with its plan."""
         self._rhythm = Rhythm(factor=self.settings.rhythm_factor)
+        self._idle = IdleTracker()
+        """Since when each rank's process has done nothing (`analysis.idle`)."""
+        self._idle_hangs: set[tuple[int, str]] = set()
+        """(rank, place) of the idle stalls made hangs: a second one there is the program's
+        rhythm more likely than a fault, and gets the busy grace."""
         self._pause: _PauseWatch | None = None
         """The stall episode going on, followed until it ends (its length goes to `_rhythm`)."""
         self._stacks: tuple[StackSample, ...] = ()
@@ -640,6 +646,7 @@ class Supervisor:
             self.observer(PollView(plan.attempt, obs.snapshot, self.orch))
         verdict, obs = diagnose_with_records(self.store, obs, self.settings.detection)
         self._stacks = obs.snapshot.stacks
+        verdict = self._idle_hang(verdict, obs.snapshot, now)
         self._pause_ended(verdict, now)
         self._record_held(verdict)
         self._settle_ended(now)
@@ -676,6 +683,34 @@ class Supervisor:
                 self._pause.incident = self._incidents[-1]
         self._alert_long_stall()
         return GO_ON
+
+    def _idle_hang(self, verdict: Verdict | None, snap: JobSnapshot,
+                   now_us: int) -> Verdict | None:
+        """The verdict, or the hang that its stall is when every culprit has done nothing at
+        all for the idle grace, or `rhythm_factor` times its longest past pause at that place
+        (`analysis.idle`). Once per rank and place: a second one there gets the busy grace."""
+        self._idle.observe(snap.processes, snap.stacks)
+        if verdict is None or verdict.kind is not IncidentKind.STALL:
+            return verdict
+        grace = self.settings.detection.hang.idle_grace_s
+        thresholds: dict[int, float] = {}
+        places: list[tuple[int, str]] = []
+        for rank in verdict.culprit_ranks:
+            span = self._idle.span(rank, now_us)
+            place = place_in(span.stack.frames) if span and span.stack else ""
+            if (rank, place) in self._idle_hangs:
+                return verdict
+            past = self._rhythm.history(rank, place)
+            thresholds[rank] = max([grace, *(self._rhythm.factor * p.seconds for p in past)])
+            places.append((rank, place))
+        hang = idle_hang(verdict, self._idle, thresholds_s=thresholds, now_us=now_us)
+        if hang is None:
+            return verdict
+        self._idle_hangs.update(places)
+        self._pause = None  # a stuck rank's pause is no rhythm of the job
+        self.log.warning("stall of rank(s) %s is a hang: %s", list(verdict.culprit_ranks),
+                         hang.summary)
+        return hang
 
     def _observe(self, watch: AttemptWatch, *, now_us: int, summaries: bool,
                  since_us: int) -> Observation:

@@ -6,7 +6,7 @@ A checkpoint write, an evaluation pass, a slow first step and a data-loading sta
 with no stop, isolation or restart, and a `stall` incident that names the rank and where it
 was. A rank stopped inside a pipeline recv is named first though its partner, blocked in the
 matching send, has the lower number. A user-code deadlock outside collectives becomes a hang
-once the busy grace has passed.
+once the idle grace has passed: its process does nothing at all.
 """
 
 from __future__ import annotations
@@ -77,14 +77,15 @@ def test_the_frozen_side_of_a_p2p_pair_is_named_first(tmp_path: Path) -> None:
     assert hangs[0]["actions"][1]["target"] == "node-1"
 
 
-def test_a_user_code_deadlock_outside_collectives_is_a_hang_after_the_busy_grace(
+def test_a_user_code_deadlock_outside_collectives_is_a_hang_after_the_idle_grace(
     tmp_path: Path,
 ) -> None:
-    # the stall is recorded between the hang threshold and the busy grace, once the node agent
-    # has the deadlocked rank's stack: at 2 s and 8 s a CI run with both lanes busy went
-    # straight to the hang, so the default threshold and a 15 s grace, as it passed before
+    # the stall is recorded between the hang threshold and the idle grace, once the node agent
+    # has the deadlocked rank's stack (at 2 s and 8 s a CI run with both lanes busy went
+    # straight to the hang); the rank waits on a lock of its own, asleep: idle, not busy, so a
+    # hang at the idle grace of 15 s, long before the busy grace of 600
     outcome, incidents = run_job(tmp_path, "deadlock", "--scenario", "deadlock", "--rank", "1",
-                                 extra=("--busy-grace", "15"))
+                                 extra=("--idle-grace", "15"))
     assert outcome["completed"] is True, outcome
     assert outcome["attempts"] == 2, outcome
     kinds = [i["kind"] for i in incidents]
@@ -92,6 +93,8 @@ def test_a_user_code_deadlock_outside_collectives_is_a_hang_after_the_busy_grace
     stall, hang = incidents
     assert stall["culprit_ranks"] == [1] and hang["culprit_ranks"] == [1]
     assert {a["kind"] for a in stall["actions"]} == {"observe"}
-    assert hang["verdict"]["basis"] == "busy_timeout"
+    assert hang["verdict"]["basis"] == "idle_timeout"
+    idle = [e for e in hang["verdict"]["evidence"] if e["fact"] == "idle"]
+    assert idle and "busy_train.py" in idle[0]["detail"], hang["verdict"]["evidence"]
     # The process was alive: its machine is not evicted.
     assert [a["kind"] for a in hang["actions"]] == ["stop_job", "restart", "resumed"]
