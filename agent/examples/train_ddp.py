@@ -13,6 +13,10 @@ checkpoint helper. Faults are injected from inside for tests and demos:
                                                    --slow-checkpoint-s more (slow storage): a
                                                    healthy job's pause, no fault
 
+    --fault-file PREFIX                            a rank that finds PREFIX.<its rank> takes it
+                                                   and does what it says: `idle` sleeps forever
+                                                   (a stuck loader or lock), from outside
+
 A fault fires only in attempt --fault-attempt (default 0; -1: every attempt), so a restarted job
 that resumed from a checkpoint runs on healthy. `--fault-in KIND:RANK:STEP@ATTEMPT` (repeatable)
 adds one fault per attempt, e.g. a hang in attempt 0, a crash in attempt 1 and a mismatch in
@@ -59,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault-attempt", type=int, default=0, help="-1: every attempt")
     parser.add_argument("--fault-in", type=fault_spec, action="append", default=[],
                         metavar="KIND:RANK:STEP@ATTEMPT", help="one more fault (repeatable)")
+    parser.add_argument("--fault-file", default="", metavar="PREFIX",
+                        help="a rank that finds PREFIX.<rank> removes it and does what it says "
+                             "(idle: sleep forever); for faults injected at a time, from outside")
     parser.add_argument("--slow-ms", type=float, default=50.0)
     parser.add_argument("--slow-checkpoint-s", type=float, default=12.0,
                         help="how much longer a ckpt fault's checkpoint takes")
@@ -155,6 +162,24 @@ def inject(args: argparse.Namespace, rank: int, step: int) -> None:
         time.sleep(args.slow_ms / 1000.0)
 
 
+def take_fault_file(prefix: str, rank: int) -> None:
+    """Do what a fault file left for this rank says (one stat a step while there is none)."""
+    path = f"{prefix}.{rank}"
+    if not prefix or not os.path.exists(path):
+        return
+    try:
+        with open(path) as handle:
+            kind = handle.read().strip()
+        os.unlink(path)
+    except OSError:
+        return  # taken meanwhile, or not readable: nothing to do
+    if kind == "idle":
+        print(f"rank {rank}: injected idle (sleeping forever)", flush=True)
+        while True:
+            time.sleep(3600)
+    print(f"rank {rank}: unknown fault {kind!r} in {path}; ignored", flush=True)
+
+
 def slow_checkpoint(args: argparse.Namespace, rank: int, step: int) -> None:
     """A checkpoint on slow storage: this rank waits on the disk while its peers wait for it in
     the next step's collectives (a `ckpt` fault of this rank, step and attempt)."""
@@ -207,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if step == start + 1:  # time steady-state steps: the first one warms up
             timed_from, timed_at = time.perf_counter(), step
         inject(args, rank, step)
+        take_fault_file(args.fault_file, rank)
         x, y = batch_for(step, rank, args.batch, args.width)
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
