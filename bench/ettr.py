@@ -260,6 +260,7 @@ def resume_events(text: str) -> list[tuple[int, float]]:
 def start_keepers(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
     """Two node keepers for the healthy snapshot runs: their processes and the keepers' list."""
     procs, entries = [], []
+    workdir.mkdir(parents=True, exist_ok=True)
     for node in ("node-0", "node-1"):
         addr = workdir / f"{node}.addr"
         procs.append(subprocess.Popen(

@@ -57,6 +57,9 @@ class SnapshotHeader(msgspec.Struct, frozen=True, kw_only=True):
     payload_bytes: int
     digest: str
     """BLAKE2b (16 bytes) of the payload, hex."""
+    codec: str = "torch"
+    """How the payload holds the state: "state" (a manifest and raw tensor bytes, no pickle:
+    `agent.rank.statecodec`) or "torch" (`torch.save`, read with weights_only)."""
 
     def describe(self) -> str:
         return (f"snapshot of job {self.job!r} rank {self.rank}/{self.world} step {self.step} "
@@ -72,11 +75,11 @@ def digest_of(payload: bytes | memoryview) -> str:
 
 
 def encode(*, job: str, rank: int, world: int, step: int, attempt: int, node: str,
-           created_us: int, payload: bytes) -> bytes:
+           created_us: int, payload: bytes, codec: str = "torch") -> bytes:
     """The container of `payload` with its header."""
     header = SnapshotHeader(job=job, rank=rank, world=world, step=step, attempt=attempt,
                             node=node, created_us=created_us, payload_bytes=len(payload),
-                            digest=digest_of(payload))
+                            digest=digest_of(payload), codec=codec)
     head = _ENCODER.encode(header)
     return b"".join((MAGIC, _LENGTH.pack(len(head)), head, payload))
 

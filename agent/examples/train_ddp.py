@@ -213,16 +213,25 @@ def main(argv: list[str] | None = None) -> int:
         model_state, optim_state = get_state_dict(model, optimizer)
         return {"model": model_state, "optim": optim_state}
 
+    def snapshot_state() -> dict[str, Any]:
+        """The plain state dicts: what a snapshot every step copies (get_state_dict costs
+        about 0.2 ms more a step, for what only DCP's resharding needs)."""
+        return {"model": model.module.state_dict(), "optim": optimizer.state_dict()}
+
     start = 0
     checkpoints = os.environ.get("TRACEHOUND_CHECKPOINT_DIR")
     if (args.checkpoint_every > 0 or args.snapshot_every > 0) and checkpoints:
-        loaded_state = state()
+        loaded_state = snapshot_state() if args.snapshot_every > 0 else state()
         resumed = checkpoint.load_from(loaded_state)
-        if resumed is not None:
+        if resumed is not None and args.snapshot_every > 0:
+            model.module.load_state_dict(loaded_state["model"])
+            optimizer.load_state_dict(loaded_state["optim"])
+        elif resumed is not None:
             set_state_dict(
                 model, optimizer,
                 model_state_dict=loaded_state["model"], optim_state_dict=loaded_state["optim"],
             )
+        if resumed is not None:
             start = resumed.step
             print(f"rank {rank}/{world}: resumed from step {start} "
                   f"({resumed.describe()})", flush=True)
@@ -253,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         persist = args.checkpoint_every > 0 and done % args.checkpoint_every == 0
         if args.snapshot_every > 0 and done % args.snapshot_every == 0 and checkpoints:
-            checkpoint.snapshot(state(), done, persist=persist)
+            checkpoint.snapshot(snapshot_state(), done, persist=persist)
         elif persist and checkpoints:
             checkpoint.save(state(), done)
         if persist and checkpoints:

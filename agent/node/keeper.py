@@ -163,6 +163,7 @@ class SnapshotKeeper:
 def _handler(keeper: SnapshotKeeper, node: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "tracehound-keeper"
+        protocol_version = "HTTP/1.1"  # a rank keeps one connection: every reply has a length
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("node %s keeper: " + format, node, *args)  # noqa: G003
@@ -178,18 +179,20 @@ def _handler(keeper: SnapshotKeeper, node: str) -> type[BaseHTTPRequestHandler]:
             self._reply(status, json.dumps(value).encode())
 
         def do_PUT(self) -> None:
-            if self.path != "/v1/snapshots":
-                return self._json(404, {"error": f"no such place {self.path!r}"})
             length = int(self.headers.get("Content-Length") or -1)
             if length < 0:
+                self.close_connection = True
                 return self._json(411, {"error": "a snapshot needs a Content-Length"})
             if length > keeper.budget_bytes:
                 keeper.stats.refused_budget += 1
-                self.rfile.read(length)
+                while length > 0:  # read and dropped, so that the sender hears why
+                    length -= len(self.rfile.read(min(length, MIB)) or b"x" * length)
                 return self._json(507, {"error": f"a snapshot of {length / MIB:.1f} MiB exceeds "
                                         f"the keeper's budget of {keeper.budget_bytes / MIB:.1f} "
                                         f"MiB; raise {env.TRACEHOUND_SNAPSHOT_BUDGET_MB}"})
             data = self.rfile.read(length)
+            if self.path != "/v1/snapshots":
+                return self._json(404, {"error": f"no such place {self.path!r}"})
             try:
                 header = keeper.put(data, source=f"snapshot from {self.client_address[0]}")
             except SnapshotDamaged as exc:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tracehound.tracing import settings as env
@@ -24,25 +25,46 @@ class KeeperError(OSError):
     """A keeper that did not answer, or refused; the message names the keeper and the reason."""
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class KeeperClient:
+    """One keeper over HTTP/1.1, on one kept-alive connection (a snapshot a step costs no new
+    connection, nor a new thread in the keeper)."""
+
     node: str
     url: str
     timeout_s: float = 10.0
+    _conn: http.client.HTTPConnection | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            parts = urllib.parse.urlsplit(self.url)
+            self._conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1",
+                                                    parts.port or 80, timeout=self.timeout_s)
+        return self._conn
 
     def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        parts = urllib.parse.urlsplit(self.url)
-        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
-                                          timeout=self.timeout_s)
-        try:
-            conn.request(method, path, body=body,
-                         headers={"Content-Type": "application/octet-stream"} if body else {})
-            response = conn.getresponse()
-            return response.status, response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            raise KeeperError(f"keeper of node {self.node} at {self.url}: {exc!r}") from exc
-        finally:
-            conn.close()
+        headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
+        with self._lock:
+            for attempt in (1, 2):  # a kept connection the keeper closed meanwhile: once more
+                conn = self._connection()
+                try:
+                    conn.request(method, path, body=body, headers=headers)
+                    response = conn.getresponse()
+                    return response.status, response.read()
+                except (OSError, http.client.HTTPException) as exc:
+                    conn.close()
+                    self._conn = None
+                    if attempt == 2 or isinstance(exc, (ConnectionRefusedError, TimeoutError)):
+                        raise KeeperError(f"keeper of node {self.node} at {self.url}: "
+                                          f"{exc!r}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def put(self, data: bytes) -> None:
         status, body = self._request("PUT", "/v1/snapshots", data)

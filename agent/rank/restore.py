@@ -15,7 +15,6 @@ With torch.distributed not initialized (one process), the agreement is this rank
 from __future__ import annotations
 
 import importlib
-import io
 import logging
 import os
 import re
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tracehound.agent.rank.keepers import KeeperError, Keepers
-from tracehound.agent.rank.snapshot import MARKER, Identity, snapshot_file
+from tracehound.agent.rank.snapshot import MARKER, Identity, deserialize, snapshot_file
 from tracehound.tracing.snapshots import SnapshotError, check_identity, decode
 
 log = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ def _fetch(who: Identity, keepers: Keepers, step: int, source: Source) -> bytes 
 
 
 def verified_payload(who: Identity, keepers: Keepers, step: int,
-                     sources: list[Source]) -> tuple[bytes, Source] | None:
+                     sources: list[Source]) -> tuple[str, bytes, Source] | None:
     """The payload of the first source whose copy is whole and this rank's; each refusal is
     logged with its reason."""
     for source in sources:
@@ -123,7 +122,7 @@ def verified_payload(who: Identity, keepers: Keepers, step: int,
         except (KeeperError, OSError, SnapshotError) as exc:
             log.warning("rank %d: not restoring step %d from %s: %s", who.rank, step, name, exc)
             continue
-        return bytes(payload), source
+        return header.codec, bytes(payload), source
     return None
 
 
@@ -157,13 +156,12 @@ def restore(state: dict[str, Any], who: Identity, keepers: Keepers, directory: P
     if not common and any(every):
         log.warning("rank %d: no step is held by every rank (held: %s); starting fresh",
                     who.rank, {r: s[-3:] for r, s in enumerate(every)})
-    torch: Any = importlib.import_module("torch")
     for step in common:
         found = verified_payload(who, keepers, step, held[step])
         ready = gather(found is not None)
         if all(ready) and found is not None:  # `ready` holds this rank's own answer too
-            payload, source = found
-            apply(state, torch.load(io.BytesIO(payload), weights_only=True))
+            codec, payload, source = found
+            apply(state, deserialize(codec, payload))
             return Restored(step, source)
         dcp_dirs = [s for s in held[step] if s.kind == "dcp"]
         if all(gather(bool(dcp_dirs))):

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tracehound.agent.rank.keepers import KeeperClient, KeeperError, Keepers
+from tracehound.agent.rank.statecodec import UnsupportedState, decode_state, encode_state
 from tracehound.tracing import settings as env
 from tracehound.tracing.durable import write_atomic
 from tracehound.tracing.snapshots import encode
@@ -88,11 +89,24 @@ def stage(value: Any) -> tuple[Any, int]:
     return copy_of(value), total
 
 
-def serialize(staged: Any) -> bytes:
+def serialize(staged: Any) -> tuple[str, bytes]:
+    """(codec, payload) of a staged state: the state codec, or torch.save for a state it cannot
+    carry (`agent.rank.statecodec`)."""
+    try:
+        return "state", encode_state(staged)
+    except UnsupportedState:
+        torch: Any = importlib.import_module("torch")
+        buffer = io.BytesIO()
+        torch.save(staged, buffer)
+        return "torch", buffer.getvalue()
+
+
+def deserialize(codec: str, payload: bytes | memoryview) -> Any:
+    """The state in a payload `serialize` made; torch.save's is read with weights_only."""
+    if codec == "state":
+        return decode_state(payload)
     torch: Any = importlib.import_module("torch")
-    buffer = io.BytesIO()
-    torch.save(staged, buffer)
-    return buffer.getvalue()
+    return torch.load(io.BytesIO(bytes(payload)), weights_only=True)
 
 
 # -- the writer thread ---------------------------------------------------------------------------
@@ -111,6 +125,8 @@ class SnapshotStats:
     persist_dropped: int = 0
     failed: int = 0
     """Snapshots that could not be serialized at all."""
+    unheld: int = 0
+    """In-memory snapshots skipped: no keeper to hold them (TRACEHOUND_SNAPSHOT_KEEPERS unset)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,12 @@ class Snapshotter:
     _warned: set[str] = field(default_factory=set)
 
     def snapshot(self, state: Any, step: int, *, persist_dir: Path | None = None) -> None:
+        if persist_dir is None and self.keepers.own is None and self.keepers.replica is None:
+            self.stats.unheld += 1
+            self._warn("unheld", "rank %d: no snapshot keeper for node %s (%s unset or without "
+                       "it): in-memory snapshots are skipped, persisted ones still go to disk",
+                       self.identity.rank, self.identity.node, env.TRACEHOUND_SNAPSHOT_KEEPERS)
+            return
         began = time.perf_counter()
         staged, size = stage(state)
         if not self._checked_budget:
@@ -212,9 +234,10 @@ class Snapshotter:
 
     def _write(self, item: _Item) -> None:
         who = self.identity
+        codec, payload = serialize(item.staged)
         data = encode(job=who.job, rank=who.rank, world=who.world, step=item.step,
                       attempt=who.attempt, node=who.node, created_us=int(self.clock() * 1e6),
-                      payload=serialize(item.staged))
+                      payload=payload, codec=codec)
         for keeper, counter in ((self.keepers.own, "sent_own"),
                                 (self.keepers.replica, "sent_replica")):
             if keeper is not None:

@@ -292,3 +292,15 @@ def test_waiting_in_memory_snapshots_are_superseded_persisted_ones_kept(tmp_path
     assert slow.taken == [1, 2, 4]
     assert writer.stats.superseded == 1 and writer.stats.sent_own == 3
     assert (step_path(tmp_path, 2) / MARKER).exists()
+
+
+def test_without_a_keeper_in_memory_snapshots_cost_nothing_and_persisted_ones_still_land(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    writer = Snapshotter(identity=who(), keepers=Keepers((), None, None))
+    writer.snapshot({"w": torch.zeros(2)}, 1)
+    writer.snapshot({"w": torch.zeros(2)}, 2)
+    writer.snapshot({"w": torch.zeros(2)}, 3, persist_dir=tmp_path)
+    assert writer.flush(10)
+    assert (writer.stats.unheld, writer.stats.staged, writer.stats.persisted) == (2, 1, 1)
+    assert sum("no snapshot keeper for node node-0" in r.getMessage()
+               for r in caplog.records) == 1
