@@ -142,7 +142,8 @@ def start(side: Side, args: argparse.Namespace) -> None:
                    "run", "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "4",
                    "--job-id", "ettr", "--workdir", str(side.workdir),
                    "--store", f"chdb://{side.workdir / 'store'}", "--max-restarts", "20",
-                   script(), *job_args(args, fault_file), "--snapshot-every", "1"]
+                   script(), *job_args(args, fault_file),
+                   "--snapshot-every", str(args.snapshot_every)]
         out: Any = subprocess.DEVNULL
     else:
         env.update({"TRACEHOUND_DISABLE": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -275,15 +276,16 @@ def healthy_rate(config: str, steps: int, workdir: Path, keepers: str) -> float 
     """Steps per second of a healthy run under plain torchrun (recorder off), the median of
     its ranks' own figures: `plain` (no checkpoints), `snapshot` (every step, persisted every
     50, Tracehound's way) or `dcp` (a synchronous DCP checkpoint every 50, torchrun's)."""
-    run = workdir / f"{config}-{uuid.uuid4().hex[:6]}"
+    run = workdir / f"{config.replace(':', '-')}-{uuid.uuid4().hex[:6]}"
     run.mkdir(parents=True)
     env = {**os.environ, "TRACEHOUND_DISABLE": "1", "OMP_NUM_THREADS": "1",
            "TRACEHOUND_CHECKPOINT_DIR": str(run / "checkpoints"),
            "TRACEHOUND_SNAPSHOT_KEEPERS": keepers, "TRACEHOUND_NODE_ID": "node-0",
            "TRACEHOUND_JOB_ID": run.name}
+    kind, _, every = config.partition(":")  # "snapshot:4": a snapshot every 4 steps
     extra = {"plain": ["--checkpoint-every", "0"],
-             "snapshot": ["--snapshot-every", "1", "--checkpoint-every", "50"],
-             "dcp": ["--checkpoint-every", "50"]}[config]
+             "snapshot": ["--snapshot-every", every or "1", "--checkpoint-every", "50"],
+             "dcp": ["--checkpoint-every", "50"]}[kind]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          script(), "--steps", str(steps), "--print-every", "0", "--step-sleep-ms", "20", *extra],
@@ -300,7 +302,8 @@ def overheads(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     try:
         for _ in range(args.healthy_runs):
             for config, seen in rates.items():
-                rate = healthy_rate(config, args.healthy_steps, workdir, keepers)
+                how = f"snapshot:{args.snapshot_every}" if config == "snapshot" else config
+                rate = healthy_rate(how, args.healthy_steps, workdir, keepers)
                 if rate is not None:
                     seen.append(rate)
     finally:
@@ -322,7 +325,10 @@ def overheads(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def summarize(runs: list[dict[str, Any]], wall_s: float, rate: float) -> dict[str, Any]:
     ettr = [r["kept_steps"] / (rate * wall_s) for r in runs]
     faults = [f for r in runs for f in r["faults"]]
-    lost = [f["step"] - f["resumed_step"] for f in faults if f["resumed_step"] is not None]
+    # the step rank 0 had printed when the fault struck; a snapshot of the step it was finishing
+    # may be newer (an idle fault takes hold at the next step): lost is never below 0
+    lost = [max(0, f["step"] - f["resumed_step"]) for f in faults
+            if f["resumed_step"] is not None]
     again = [f["training_again_s"] for f in faults if f["training_again_s"] is not None]
     by_kind: dict[str, list[float]] = {}
     for f in faults:
@@ -356,6 +362,8 @@ def parse_args() -> argparse.Namespace:
                         help="healthy runs per configuration for the reference rate and "
                              "checkpoint overhead (default 3)")
     parser.add_argument("--healthy-steps", type=int, default=600)
+    parser.add_argument("--snapshot-every", type=int, default=1,
+                        help="Tracehound's side snapshots every N steps (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.quick:
@@ -375,6 +383,7 @@ def main() -> int:
     count = max(0, int((args.wall_s - args.fault_every_s / 2) // args.fault_every_s))
     schedule = [kinds[k % len(kinds)] for k in range(count)]
     report: dict[str, Any] = {"ranks": 4, "wall_s": args.wall_s,
+                              "snapshot_every": args.snapshot_every,
                               "fault_every_s": args.fault_every_s, "faults": schedule,
                               "pg_timeout_s": args.pg_timeout_s, "runs": args.runs}
     with tempfile.TemporaryDirectory(prefix="th-ettr-") as tmp:

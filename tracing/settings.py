@@ -209,7 +209,7 @@ TRACEHOUND_SNAPSHOT_KEEP = "TRACEHOUND_SNAPSHOT_KEEP"
 """How many snapshots of each rank a keeper holds (default DEFAULT_SNAPSHOT_KEEP, at least 1);
 older ones are dropped as newer ones arrive."""
 
-DEFAULT_SNAPSHOT_KEEP = 2
+DEFAULT_SNAPSHOT_KEEP = 3
 
 TRACEHOUND_SNAPSHOT_BUDGET_MB = "TRACEHOUND_SNAPSHOT_BUDGET_MB"
 """The memory a node's keeper may hold, in MiB (default DEFAULT_SNAPSHOT_BUDGET_MB): its own

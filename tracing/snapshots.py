@@ -26,6 +26,11 @@ MAGIC = b"THSNAP1\n"
 """The first bytes of every snapshot; a version change gets a new magic."""
 
 _LENGTH = struct.Struct(">I")
+
+FRAME = struct.Struct(">Q")
+"""A snapshot on a keeper's stream connection: its length, then its bytes. The keeper answers
+each with REPLY (0: held; 1: refused, followed by that many bytes of the reason, UTF-8)."""
+REPLY = struct.Struct(">BI")
 MAX_HEADER_BYTES = 64 * 1024
 """A header longer than this is taken for damage, not read."""
 

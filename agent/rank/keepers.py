@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import urllib.parse
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracehound.tracing import settings as env
+from tracehound.tracing.snapshots import FRAME, REPLY
 
 
 class KeeperError(OSError):
@@ -35,12 +37,14 @@ class KeeperClient:
     timeout_s: float = 10.0
     _conn: http.client.HTTPConnection | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stream: socket.socket | None = field(default=None, repr=False)
+    _stream_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
             parts = urllib.parse.urlsplit(self.url)
-            self._conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1",
-                                                    parts.port or 80, timeout=self.timeout_s)
+            self._conn = _NoDelayConnection(parts.hostname or "127.0.0.1", parts.port or 80,
+                                            timeout=self.timeout_s)
         return self._conn
 
     def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
@@ -60,13 +64,55 @@ class KeeperClient:
                                           f"{exc!r}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _stream_socket(self) -> socket.socket | None:
+        if self._stream is None:
+            port = int(self.stats().get("stream_port") or 0)
+            if not port:
+                return None
+            host = urllib.parse.urlsplit(self.url).hostname or "127.0.0.1"
+            sock = socket.create_connection((host, port), timeout=self.timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._stream = sock
+        return self._stream
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
     def close(self) -> None:
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+        with self._stream_lock:
+            self._close_stream()
 
     def put(self, data: bytes) -> None:
+        """Hand the keeper a snapshot: on its stream (one kept connection, no HTTP), or by HTTP
+        PUT where it names no stream port."""
+        with self._stream_lock:
+            for attempt in (1, 2):  # a kept connection the keeper closed meanwhile: once more
+                try:
+                    sock = self._stream_socket()
+                    if sock is None:
+                        break
+                    sock.sendall(FRAME.pack(len(data)))
+                    sock.sendall(data)
+                    status, size = REPLY.unpack(_receive(sock, REPLY.size))
+                    reason = _receive(sock, size).decode(errors="replace") if size else ""
+                except KeeperError:
+                    self._close_stream()
+                    raise
+                except OSError as exc:
+                    self._close_stream()
+                    if attempt == 2 or isinstance(exc, ConnectionRefusedError):
+                        raise KeeperError(f"keeper of node {self.node} at {self.url}: "
+                                          f"{exc!r}") from exc
+                    continue
+                if status != 0:
+                    raise KeeperError(f"keeper of node {self.node} refused a snapshot: {reason}")
+                return
         status, body = self._request("PUT", "/v1/snapshots", data)
         if status != 201:
             raise KeeperError(f"keeper of node {self.node} refused a snapshot ({status}): "
@@ -96,6 +142,27 @@ class KeeperClient:
             raise KeeperError(f"keeper of node {self.node}: stats answered {status}")
         value = json.loads(body)
         return value if isinstance(value, dict) else {}
+
+
+def _receive(sock: socket.socket, size: int) -> bytes:
+    """Exactly `size` bytes; ConnectionError when the keeper closed before."""
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(left)
+        if not chunk:
+            raise ConnectionError("the keeper closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+class _NoDelayConnection(http.client.HTTPConnection):
+    """http.client sends a request's headers and body apart: with Nagle's algorithm on a kept
+    connection each request then waits for the keeper's delayed ACK (about 40 ms)."""
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _error_of(body: bytes) -> str:

@@ -75,7 +75,7 @@ def held_steps(who: Identity, keepers: Keepers, directory: Path | None) -> dict[
         try:
             rows = keeper.index(who.job)
         except KeeperError as exc:
-            log.info("rank %d: %s", who.rank, exc)
+            log.warning("rank %d: %s", who.rank, exc)
             continue
         for row in rows:
             if row.get("rank") == who.rank and row.get("world") == who.world:

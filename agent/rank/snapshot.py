@@ -4,9 +4,9 @@
     checkpoint.snapshot(state, step)                      # every step: memory, with a replica
     checkpoint.snapshot(state, step, persist=True)        # now and then: also to disk
 
-On the training thread, `snapshot` only stages: a detached CPU copy of every tensor in `state`
-(a DTensor's local shard), so training can change its tensors at once. A writer thread then
-serializes the copy into a snapshot container (`tracing.snapshots`: header and checksum), sends
+On the training thread, `snapshot` only copies: every tensor in `state` (a DTensor's local shard)
+into one CPU buffer (`agent.rank.statecodec.pack`), so training can change its tensors at once.
+A writer thread then makes it a snapshot container (`tracing.snapshots`: header and checksum), sends
 it to this node's keeper and a replica to another node's (`agent.rank.keepers`), and, when
 persisted, writes it to `DIR/step-<08d>/rank-<05d>.snap`; the rank whose file completes the set
 writes the completion marker (`checkpoint.MARKER`), so an incomplete step is never loaded.
@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from tracehound.agent.rank.keepers import KeeperClient, KeeperError, Keepers
-from tracehound.agent.rank.statecodec import UnsupportedState, decode_state, encode_state
+from tracehound.agent.rank.statecodec import (
+    Packed,
+    UnsupportedState,
+    decode_state,
+    encode_state,
+    pack,
+    packed_bytes,
+)
 from tracehound.tracing import settings as env
 from tracehound.tracing.durable import write_atomic
 from tracehound.tracing.snapshots import encode
@@ -89,15 +96,27 @@ def stage(value: Any) -> tuple[Any, int]:
     return copy_of(value), total
 
 
-def serialize(staged: Any) -> tuple[str, bytes]:
-    """(codec, payload) of a staged state: the state codec, or torch.save for a state it cannot
-    carry (`agent.rank.statecodec`)."""
+def take(state: Any) -> tuple[Packed | Any, int]:
+    """The state as the writer will need it, and its tensors' bytes: packed by the state codec
+    (one copy into one buffer), or, for a state the codec cannot carry, staged as clones for
+    torch.save. All that a snapshot does on the training thread."""
     try:
-        return "state", encode_state(staged)
+        packed = pack(state)
+    except UnsupportedState:
+        return stage(state)
+    return packed, packed.nbytes
+
+
+def serialize(taken: Packed | Any) -> tuple[str, bytes]:
+    """(codec, payload) of what `take` took: the state codec's, or torch.save's."""
+    if isinstance(taken, Packed):
+        return "state", packed_bytes(taken)
+    try:
+        return "state", encode_state(taken)
     except UnsupportedState:
         torch: Any = importlib.import_module("torch")
         buffer = io.BytesIO()
-        torch.save(staged, buffer)
+        torch.save(taken, buffer)
         return "torch", buffer.getvalue()
 
 
@@ -168,7 +187,7 @@ class Snapshotter:
                        self.identity.rank, self.identity.node, env.TRACEHOUND_SNAPSHOT_KEEPERS)
             return
         began = time.perf_counter()
-        staged, size = stage(state)
+        staged, size = take(state)
         if not self._checked_budget:
             self._check_budget(size)
         self.stats.staged += 1

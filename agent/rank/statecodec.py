@@ -6,11 +6,13 @@ each tensor a reference to its bytes, followed by the tensors' raw bytes, one af
 
     manifest length (8 bytes, big endian) | manifest (JSON) | tensor bytes
 
-Encoding costs one copy of the tensors' bytes and no pickling, several times cheaper than
-`torch.save`; decoding builds each tensor on the payload's buffer and clones it (the buffer
-can then go). Nothing in a payload is executed when it is read. A state with anything else in
-it (a numpy array, an object) raises `UnsupportedState` naming where; the caller falls back to
-`torch.save`, whose payloads are read with `weights_only=True`.
+Packing (`pack`, on the training thread) copies every tensor's bytes once into one buffer; what
+is left (`packed_bytes`, on the snapshot writer's thread) is a manifest and a join, with no
+pickling: several times cheaper than staging clones and `torch.save`. Decoding builds each
+tensor on the payload's buffer and clones it (the buffer can then go). Nothing in a payload is
+executed when it is read. A state with anything else in it (a numpy array, an object) raises
+`UnsupportedState` naming where; the caller falls back to `torch.save`, whose payloads are read
+with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib
 import struct
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -34,28 +37,34 @@ def _torch() -> Any:
     return importlib.import_module("torch")
 
 
-def encode_state(state: Any) -> bytes:
-    """The state's bytes (see the module docstring); UnsupportedState for what it cannot carry."""
+@dataclass(frozen=True)
+class Packed:
+    """A state packed for a snapshot: its manifest, and every tensor's bytes in one buffer."""
+
+    manifest: Any
+    data: Any
+    """A flat uint8 tensor on the CPU (the one copy of the state's tensors)."""
+    nbytes: int
+
+
+def pack(state: Any) -> Packed:
+    """Copy the state's tensors into one CPU buffer and describe the rest: all the work a
+    snapshot does on the training thread. UnsupportedState for what the codec cannot carry."""
     torch = _torch()
-    chunks: list[memoryview] = []
+    tensors: list[Any] = []
     offset = 0
 
     def walk(value: Any, where: str) -> Any:
         nonlocal offset
         if isinstance(value, torch.Tensor):
-            tensor = value.detach().contiguous()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else None
-            size = 0 if raw is None else raw.nbytes
-            entry = {"t": str(tensor.dtype).removeprefix("torch."), "s": list(tensor.shape),
-                     "o": offset, "n": size}
-            if raw is not None:
-                chunks.append(memoryview(raw))
+            local = value.to_local() if hasattr(value, "to_local") else value
+            size = local.numel() * local.element_size()
+            tensors.append((local, offset, size))
             offset += size
-            return {"__tensor__": entry}
+            return {"__tensor__": {"t": str(local.dtype).removeprefix("torch."),
+                                   "s": list(local.shape), "o": offset - size, "n": size}}
         if isinstance(value, dict):
-            return {"__dict__": [[walk_key(k, where), walk(v, f"{where}[{k!r}]")]
+            return {"__dict__": [[_key(k, where), walk(v, f"{where}[{k!r}]")]
                                  for k, v in value.items()]}
         if isinstance(value, (list, tuple)):
             items = [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -64,13 +73,31 @@ def encode_state(state: Any) -> bytes:
             return value
         raise UnsupportedState(f"state{where} is a {type(value).__name__}")
 
-    def walk_key(key: Any, where: str) -> Any:
-        if isinstance(key, (str, int)) and not isinstance(key, bool):
-            return key
-        raise UnsupportedState(f"state{where} has a key of type {type(key).__name__}")
+    manifest = walk(state, "")
+    data = torch.empty(offset, dtype=torch.uint8)
+    with torch.no_grad():  # each into its place: a GPU tensor's bytes come over as they go
+        for tensor, begin, size in tensors:
+            if size:
+                data[begin:begin + size].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+    return Packed(manifest, data, offset)
 
-    manifest = _ENCODER.encode(walk(state, ""))
-    return b"".join([_LENGTH.pack(len(manifest)), manifest, *chunks])
+
+def _key(key: Any, where: str) -> Any:
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        return key
+    raise UnsupportedState(f"state{where} has a key of type {type(key).__name__}")
+
+
+def packed_bytes(packed: Packed) -> bytes:
+    """The payload of a packed state: its manifest's length and JSON, then the tensor bytes."""
+    manifest = _ENCODER.encode(packed.manifest)
+    raw = memoryview(packed.data.numpy()) if packed.nbytes else memoryview(b"")
+    return b"".join([_LENGTH.pack(len(manifest)), manifest, raw])
+
+
+def encode_state(state: Any) -> bytes:
+    """The state's bytes (see the module docstring); UnsupportedState for what it cannot carry."""
+    return packed_bytes(pack(state))
 
 
 def decode_state(payload: bytes | memoryview) -> Any:

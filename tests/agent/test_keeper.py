@@ -77,11 +77,12 @@ def test_a_damaged_copy_is_refused_and_counted() -> None:
 def served() -> Iterator[tuple[SnapshotKeeper, KeeperClient]]:
     keeper = SnapshotKeeper(budget_bytes=50_000, keep=2)
     server = serve(keeper, host="127.0.0.1", port=0, node="n0")
+    client = KeeperClient(node="n0", url=f"http://127.0.0.1:{server.port}")
     try:
-        yield keeper, KeeperClient(node="n0", url=f"http://127.0.0.1:{server.server_address[1]}")
+        yield keeper, client
     finally:
-        server.shutdown()
-        server.server_close()
+        client.close()
+        server.close()
 
 
 def test_over_http_put_list_and_fetch(served: tuple[SnapshotKeeper, KeeperClient]) -> None:
@@ -95,16 +96,25 @@ def test_over_http_put_list_and_fetch(served: tuple[SnapshotKeeper, KeeperClient
     assert client.stats()["stored"] == 1
 
 
-def test_over_http_refusals_say_why(served: tuple[SnapshotKeeper, KeeperClient]) -> None:
+def test_refusals_say_why_on_the_stream_and_over_http(
+        served: tuple[SnapshotKeeper, KeeperClient]) -> None:
     _, client = served
-    with pytest.raises(KeeperError, match=r"refused a snapshot \(400\): .*not a Tracehound"):
+    with pytest.raises(KeeperError, match=r"refused a snapshot: .*not a Tracehound"):
         client.put(b"garbage")
-    with pytest.raises(KeeperError, match=r"\(507\): .*exceeds the keeper's budget"):
+    with pytest.raises(KeeperError, match=r"refused a snapshot: .*exceeds the keeper's budget"):
         client.put(snap(0, 1, size=60_000))
+    client.put(snap(0, 2))  # the same connection goes on after both refusals
+    for body, status, words in ((b"garbage", 400, "not a Tracehound"),
+                                (snap(0, 1, size=60_000), 507, "exceeds the keeper's budget")):
+        request = urllib.request.Request(client.url + "/v1/snapshots", data=body, method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request)
+        assert answer.value.code == status and words in json.loads(answer.value.read())["error"]
     with pytest.raises(urllib.error.HTTPError) as answer:
         urllib.request.urlopen(client.url + "/v1/snapshots")
     assert "say which job" in json.loads(answer.value.read())["error"]
-    assert client.stats()["refused_budget"] == 1
+    stats = client.stats()
+    assert (stats["refused_budget"], stats["refused_damaged"], stats["stored"]) == (2, 2, 1)
 
 
 def test_a_keeper_that_is_gone_is_a_keeper_error_naming_it() -> None:

@@ -42,15 +42,17 @@ class Cluster:
         self.keepers = {n: SnapshotKeeper(budget_bytes=budget, keep=2) for n in nodes}
         self.servers = {n: serve(k, host="127.0.0.1", port=0, node=n)
                         for n, k in self.keepers.items()}
-        self.clients = [KeeperClient(node=n, url=f"http://127.0.0.1:{s.server_address[1]}",
-                                     timeout_s=2) for n, s in self.servers.items()]
+        self.clients = [KeeperClient(node=n, url=f"http://127.0.0.1:{s.port}", timeout_s=2)
+                        for n, s in self.servers.items()]
 
     def place(self, node: str) -> Keepers:
         return Keepers.place(self.clients, node)
 
     def lose(self, node: str) -> None:
-        self.servers[node].shutdown()
-        self.servers[node].server_close()
+        self.servers[node].close()
+        for client in self.clients:
+            if client.node == node:
+                client.close()
 
     def close(self) -> None:
         for node in list(self.servers):
