@@ -202,8 +202,10 @@ and a replica to another node's; `checkpoint.load` asks them all. Unset: snapsho
 only, when persisted."""
 
 TRACEHOUND_SNAPSHOT_REPLICAS = "TRACEHOUND_SNAPSHOT_REPLICAS"
-"""1 (default): every snapshot also goes to the keeper of another node, so that the ranks of an
-isolated node can be restored on a spare; 0: to the own node's keeper only."""
+"""1 (DEFAULT_SNAPSHOT_REPLICAS): every snapshot also goes to the keeper of another node, so that
+the ranks of an isolated node can be restored on a spare; 0: to the own node's keeper only."""
+
+DEFAULT_SNAPSHOT_REPLICAS = 1
 
 TRACEHOUND_SNAPSHOT_KEEP = "TRACEHOUND_SNAPSHOT_KEEP"
 """How many snapshots of each rank a keeper holds (default DEFAULT_SNAPSHOT_KEEP, at least 1);

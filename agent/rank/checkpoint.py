@@ -93,7 +93,8 @@ def _identity() -> Identity:
     world = dist.get_world_size() if dist else env.env_int("WORLD_SIZE", 1, minimum=1)
     return Identity(job=env.env_str(env.TRACEHOUND_JOB_ID), rank=rank, world=world,
                     node=env.env_str(env.TRACEHOUND_NODE_ID) or socket.gethostname(),
-                    attempt=env.env_int(env.TRACEHOUND_ATTEMPT, 0))
+                    attempt=env.env_int(env.TRACEHOUND_ATTEMPT,
+                                        env.env_int("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
 _snapshotter: list[Snapshotter] = []

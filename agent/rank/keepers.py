@@ -196,7 +196,8 @@ class Keepers:
     @classmethod
     def from_env(cls, node: str, environ: Mapping[str, str] | None = None) -> Keepers:
         clients = parse_keepers(env.env_str(env.TRACEHOUND_SNAPSHOT_KEEPERS, env=environ))
-        replicas = env.env_int(env.TRACEHOUND_SNAPSHOT_REPLICAS, 1, env=environ)
+        replicas = env.env_int(env.TRACEHOUND_SNAPSHOT_REPLICAS, env.DEFAULT_SNAPSHOT_REPLICAS,
+                               env=environ)
         return cls.place(clients, node, replicas=replicas > 0)
 
     @classmethod
