@@ -700,7 +700,10 @@ class Supervisor:
             place = place_in(span.stack.frames) if span and span.stack else ""
             if (rank, place) in self._idle_hangs:
                 return verdict
-            past = self._rhythm.history(rank, place)
+            # a pause that "ended" while the process stayed idle (the stall unseen for a poll)
+            # was this one: it says nothing of the job's rhythm
+            since = span.since_us if span else now_us
+            past = [p for p in self._rhythm.history(rank, place) if p.ended_us < since]
             thresholds[rank] = max([grace, *(self._rhythm.factor * p.seconds for p in past)])
             places.append((rank, place))
         hang = idle_hang(verdict, self._idle, thresholds_s=thresholds, now_us=now_us)

@@ -65,8 +65,8 @@ def supervise(store: TraceStore, tmp_path: Path, clock: Clock, orch: ScriptedOrc
 
 def pausing_world(store: TraceStore, clock: Clock, orch: ScriptedOrchestrator,
                   pauses: dict[int, list[tuple[int, int]]], *, cpu_rate: float,
-                  ends_s: int, launched: dict[int, int] | None = None
-                  ) -> Callable[[PollView], None]:
+                  ends_s: int, launched: dict[int, int] | None = None,
+                  busy_between: bool = True) -> Callable[[PollView], None]:
     """Rank 3 pauses at `pauses[attempt]` ((start s, length s) after the attempt's launch):
     0-2 wait in an all_reduce meanwhile; a stack of it is taken 1 s into each pause, and its
     process sampled every second. `launched` gets each attempt's start."""
@@ -94,7 +94,8 @@ def pausing_world(store: TraceStore, clock: Clock, orch: ScriptedOrchestrator,
             n = 2000 + int(t * 2)
             beats += [beat(attempt, r, now, n, n, now, nodes[r]) for r in range(4)]
             if (now - start) % S == 0:
-                beats.append(sample(attempt, nodes[3], now, cpu_rate=0.9))
+                beats.append(sample(attempt, nodes[3], now,
+                                    cpu_rate=0.9 if busy_between else cpu_rate))
         if t >= ends_s:
             orch.exits = clean_exits(JOB, attempt, nodes, now)
         store.insert(Batch(batch_id=f"b{now}", records=tuple(beats)))  # type: ignore[arg-type]
@@ -143,3 +144,20 @@ def test_idle_pauses_of_the_jobs_rhythm_raise_the_threshold_at_their_place(
     supervise(store, tmp_path, clock, orch, world)
     kinds = [i.kind for i in store.incidents(JOB)]
     assert "hang" not in kinds and len(orch.plans) == 1, kinds
+
+
+def test_a_stall_unseen_for_a_moment_is_no_pause_of_the_rhythm_while_the_rank_stays_idle(
+        store: TraceStore, tmp_path: Path) -> None:
+    """The stall is not seen for a second (its peers seem to move on) while rank 3's process
+    stays idle: the 6 s "pause" that ended then is the same idle span, not a pause of the job's
+    rhythm, and raises no threshold (a loaded CI run saw a deadlocked rank's stall come and go
+    for ten minutes, each time longer, and never judged it idle)."""
+    clock, orch = Clock(), ScriptedOrchestrator()
+    launched: dict[int, int] = {}
+    world = pausing_world(store, clock, orch, {0: [(2, 6), (9, 1000)], 1: []}, cpu_rate=0.001,
+                          ends_s=40, launched=launched, busy_between=False)
+    supervise(store, tmp_path, clock, orch, world)
+    hangs = [i for i in store.incidents(JOB) if i.kind == "hang"]
+    assert len(hangs) == 1 and hangs[0].culprit_ranks == (3,)
+    # idle from 2 s on: the idle grace of 10 s, not 3 times the 6 s "pause" (18 s)
+    assert (hangs[0].detected_at_us - launched[0]) / S < 15
