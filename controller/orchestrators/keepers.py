@@ -7,8 +7,10 @@ the live ones. A node that is isolated loses its keeper (`drop`), as a lost mach
 memory; its ranks are then restored from the replicas on other nodes. `close` stops them all.
 
 Each keeper is noted in `<workdir>/keepers.json` (node, pid, address), so that a controller
-started again uses the keepers the killed one left (a keeper is live if it answers). It never
-signals a process that is not a keeper: a noted pid is checked against its command line first.
+started again uses the keepers the killed one left (a keeper is live if it answers); `close`
+also stops keepers of this job that no controller noted (one killed between starting and
+noting them). It never signals a process that is not a keeper: a pid is checked against its
+command line first.
 """
 
 from __future__ import annotations
@@ -173,9 +175,27 @@ class NodeKeepers:
         if proc is not None:
             proc.wait(timeout=timeout_s)
 
+    def _orphans(self) -> list[int]:
+        """Keeper processes whose address file lies in this job's keeper directory."""
+        mark = f"--port-file {self.dir}{os.sep}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if KEEPER_MODULE.encode() in cmdline and mark in cmdline:
+                found.append(int(entry.name))
+        return found
+
     def close(self) -> None:
         for keeper in list(self._keepers.values()):
             self._end(keeper)
         self._keepers = {}
+        for pid in self._orphans():  # started by a controller killed before it noted them
+            log.info("stopping a snapshot keeper no controller noted (pid %d)", pid)
+            self._end(Keeper(NodeId("?"), pid, ""))
         with contextlib.suppress(OSError):
             self._note()
