@@ -29,6 +29,7 @@ checksum it has not verified.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -164,6 +165,17 @@ class SnapshotKeeper:
                     **vars(self.stats)}
 
 
+def _refuse_too_big(keeper: SnapshotKeeper, body: io.BufferedIOBase, length: int) -> str:
+    """Count a snapshot over the whole budget, read and drop its body (so that the sender hears
+    why, and the connection goes on), and say why it was refused."""
+    keeper.stats.refused_budget += 1
+    left = length
+    while left > 0 and (chunk := body.read(min(left, MIB))):
+        left -= len(chunk)
+    return (f"a snapshot of {length / MIB:.1f} MiB exceeds the keeper's budget of "
+            f"{keeper.budget_bytes / MIB:.1f} MiB; raise {env.TRACEHOUND_SNAPSHOT_BUDGET_MB}")
+
+
 def _handler(keeper: SnapshotKeeper, node: str,
              stream_port: int) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -190,15 +202,7 @@ def _handler(keeper: SnapshotKeeper, node: str,
                 self.close_connection = True
                 return self._json(411, {"error": "a snapshot needs a Content-Length"})
             if length > keeper.budget_bytes:
-                keeper.stats.refused_budget += 1
-                while length > 0:  # read and dropped, so that the sender hears why
-                    chunk = self.rfile.read(min(length, MIB))
-                    if not chunk:
-                        break
-                    length -= len(chunk)
-                return self._json(507, {"error": f"a snapshot of {length / MIB:.1f} MiB exceeds "
-                                        f"the keeper's budget of {keeper.budget_bytes / MIB:.1f} "
-                                        f"MiB; raise {env.TRACEHOUND_SNAPSHOT_BUDGET_MB}"})
+                return self._json(507, {"error": _refuse_too_big(keeper, self.rfile, length)})
             data = self.rfile.read(length)
             if self.path != "/v1/snapshots":
                 return self._json(404, {"error": f"no such place {self.path!r}"})
@@ -253,15 +257,7 @@ class _StreamHandler(socketserver.StreamRequestHandler):
                 return
             (length,) = FRAME.unpack(head)
             if length > self.keeper.budget_bytes:
-                self.keeper.stats.refused_budget += 1
-                while length > 0:  # read and dropped, so that the sender hears why
-                    chunk = self.rfile.read(min(length, MIB))
-                    if not chunk:
-                        return
-                    length -= len(chunk)
-                self._reply(f"a snapshot of {FRAME.unpack(head)[0] / MIB:.1f} MiB exceeds the "
-                            f"keeper's budget of {self.keeper.budget_bytes / MIB:.1f} MiB; raise "
-                            f"{env.TRACEHOUND_SNAPSHOT_BUDGET_MB}")
+                self._reply(_refuse_too_big(self.keeper, self.rfile, length))
                 continue
             data = self.rfile.read(length)
             if len(data) < length:

@@ -39,7 +39,6 @@ from tracehound.agent.rank.statecodec import (
     Packed,
     UnsupportedState,
     decode_state,
-    encode_state,
     pack,
     packed_bytes,
 )
@@ -111,13 +110,10 @@ def serialize(taken: Packed | Any) -> tuple[str, bytes]:
     """(codec, payload) of what `take` took: the state codec's, or torch.save's."""
     if isinstance(taken, Packed):
         return "state", packed_bytes(taken)
-    try:
-        return "state", encode_state(taken)
-    except UnsupportedState:
-        torch: Any = importlib.import_module("torch")
-        buffer = io.BytesIO()
-        torch.save(taken, buffer)
-        return "torch", buffer.getvalue()
+    torch: Any = importlib.import_module("torch")  # staged: the codec already refused it
+    buffer = io.BytesIO()
+    torch.save(taken, buffer)
+    return "torch", buffer.getvalue()
 
 
 def deserialize(codec: str, payload: bytes | memoryview) -> Any:

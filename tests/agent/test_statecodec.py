@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from tracehound.agent.rank.snapshot import deserialize, serialize, stage
+from tracehound.agent.rank.snapshot import deserialize, serialize, take
 from tracehound.agent.rank.statecodec import UnsupportedState, decode_state, encode_state
 
 
@@ -56,13 +56,15 @@ def test_a_state_the_codec_cannot_carry_says_where_and_falls_back_to_torch_save(
     odd = {"model": {"w": torch.ones(2)}, "extra": {"rng": {1, 2}}}
     with pytest.raises(UnsupportedState, match=r"state\['extra'\]\['rng'\] is a set"):
         encode_state(odd)
-    staged, _ = stage({"w": torch.ones(2), "meta": [1.5, "x"]})
-    codec, payload = serialize(staged)
+    kept = {"w": torch.ones(2), "meta": [1.5, "x"]}
+    taken, _ = take(kept)
+    codec, payload = serialize(taken)
     assert codec == "state"
-    fallback_codec, fallback = serialize({"w": torch.ones(2), "when": complex(1, 2)})
+    staged, _ = take({"w": torch.ones(2), "when": complex(1, 2)})
+    fallback_codec, fallback = serialize(staged)
     assert fallback_codec == "torch"
     assert deserialize(fallback_codec, fallback)["when"] == complex(1, 2)
-    assert same(deserialize(codec, payload), staged)
+    assert same(deserialize(codec, payload), kept)
 
 
 @pytest.mark.parametrize("cut", [4, 12, -3])
